@@ -1,0 +1,147 @@
+"""apply() / revert() / patched(): install and remove the patches as one unit."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from . import checkpointing as _checkpointing_patch
+from . import reducer as _reducer_patch
+from . import versions
+from ._registry import REGISTRY
+from .distributed import reset_log_once
+
+logger = logging.getLogger("ddp_patches")
+
+_OFFLOAD_CHOICES = ("auto", True, False)
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    """What apply() installed, and what was asked for but is not available in this version."""
+
+    installed: tuple[str, ...]
+    not_available: tuple[str, ...] = ()
+    options: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = ["ddp_patches installed: " + (", ".join(self.installed) or "nothing")]
+        if self.not_available:
+            lines.append("not available yet: " + ", ".join(self.not_available))
+        return "\n".join(lines)
+
+
+_state: dict[str, ApplyReport | None] = {"report": None}
+
+
+def apply(
+    *,
+    checkpointing: bool = True,
+    reducer: bool = True,
+    offload: bool | str = "auto",
+    tiled_mlp: bool = False,
+    tiled_mlp_shard_tokens: int | None = None,
+) -> ApplyReport:
+    """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
+
+    Nothing changes in a process that is not distributed: every patch asks at call time whether a process
+    group with world size > 1 exists. Calling apply() again with the same options does nothing; with other
+    options it reverts and re-applies.
+
+    Args:
+        checkpointing: run every activation checkpoint as ``use_reentrant=False`` under DDP.
+        reducer: choose safe DDP settings at construction, make static_graph work with gradient accumulation,
+            and check the trainable-parameter set at each forward.
+        offload: CPU offload of checkpoint inputs ("auto", True, False). Not available yet in this version.
+        tiled_mlp: sequence-tiled MLP with a DDP-safe backward. Not available yet in this version.
+        tiled_mlp_shard_tokens: tokens per MLP shard (None: automatic). Used with ``tiled_mlp``.
+    """
+    options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
+    current = _state["report"]
+    if current is not None:
+        if current.options == options:
+            return current
+        logger.info("ddp_patches: apply() called again with other options; re-applying")
+        revert()
+    versions.check()
+
+    installed: list[str] = []
+    try:
+        if options["checkpointing"]:
+            installed += _checkpointing_patch.install()
+        if options["reducer"]:
+            installed += _reducer_patch.install()
+    except BaseException:
+        REGISTRY.restore_all()  # all or nothing
+        raise
+    report = ApplyReport(tuple(installed), _not_available(options), options)
+    _state["report"] = report
+    logger.info("%s", report)
+    return report
+
+
+def revert() -> list[str]:
+    """Restore every patched object by identity and remove the hooks. Safe to call when nothing is applied.
+
+    DDP instances built while patched keep the settings they were built with.
+    """
+    restored = REGISTRY.restore_all()
+    _state["report"] = None
+    reset_log_once()
+    return restored
+
+
+def is_applied() -> bool:
+    return _state["report"] is not None
+
+
+@contextlib.contextmanager
+def patched(**options) -> Iterator[ApplyReport]:
+    """``with ddp_patches.patched(): ...`` applies on entry and reverts on exit, even on error."""
+    was_applied = is_applied()
+    report = apply(**options)
+    try:
+        yield report
+    finally:
+        if not was_applied:
+            revert()
+
+
+def _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens) -> dict:
+    for name, value in (("checkpointing", checkpointing), ("reducer", reducer), ("tiled_mlp", tiled_mlp)):
+        if not isinstance(value, bool):
+            raise TypeError(f"ddp_patches.apply({name}=...) expects True or False, got {value!r}")
+    if offload not in _OFFLOAD_CHOICES or not isinstance(offload, (bool, str)):
+        raise ValueError(f"ddp_patches.apply(offload=...) expects 'auto', True or False, got {offload!r}")
+    if tiled_mlp_shard_tokens is not None and (
+        isinstance(tiled_mlp_shard_tokens, bool)
+        or not isinstance(tiled_mlp_shard_tokens, int)
+        or tiled_mlp_shard_tokens < 1
+    ):
+        raise ValueError(
+            "ddp_patches.apply(tiled_mlp_shard_tokens=...) expects None (automatic) or a positive int, "
+            f"got {tiled_mlp_shard_tokens!r}"
+        )
+    return {
+        "checkpointing": checkpointing,
+        "reducer": reducer,
+        "offload": offload,
+        "tiled_mlp": tiled_mlp,
+        "tiled_mlp_shard_tokens": tiled_mlp_shard_tokens,
+    }
+
+
+def _not_available(options: dict) -> tuple[str, ...]:
+    missing = []
+    if options["offload"] is True:
+        logger.warning("ddp_patches: offload=True was asked for but CPU offload is not available in this version; "
+                       "checkpoint inputs stay on the device")
+        missing.append("offload")
+    if options["tiled_mlp"] or options["tiled_mlp_shard_tokens"] is not None:
+        logger.warning("ddp_patches: tiled_mlp was asked for but the tiled MLP is not available in this version; "
+                       "MLPs run untiled")
+        missing.append("tiled_mlp")
+    return tuple(missing)
+

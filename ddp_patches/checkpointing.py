@@ -1,0 +1,73 @@
+"""Mechanism 1: every activation checkpoint is non-reentrant when the process is distributed.
+
+# NOTE [Why non-reentrant, and why patch CheckpointFunction]
+# A reentrant checkpoint (``use_reentrant=True``) recomputes its region in a *separate* autograd graph task
+# during backward. DDP's reducer counts one AccumulateGrad hook per parameter per iteration, so:
+#   * a parameter used in two reentrant regions (a layer checkpointed twice, shared weights) has its hook fire
+#     once per region -> "Expected to mark a variable ready only once" (reducer.cpp);
+#   * its forward runs under no_grad, so with find_unused_parameters=True the reducer cannot reach the region's
+#     parameters from the output, marks them unused, and their real hook later is a second mark (same error);
+#   * with static_graph=True and gradient accumulation it is part of the expect_autograd_hooks_ assert.
+# The non-reentrant variant keeps one graph task: recomputation happens inside the outer backward through
+# saved-tensor hooks, parameters are reachable from the output and each hook fires exactly once.
+#
+# transformers binds ``torch.utils.checkpoint.checkpoint`` into ``functools.partial`` objects stored on every
+# layer (``_gradient_checkpointing_func``) when checkpointing is enabled, and users write
+# ``from torch.utils.checkpoint import checkpoint``: patching the ``checkpoint`` function would miss every
+# reference taken before apply(). All of them, however, end in the same place for the reentrant variant:
+# ``checkpoint()`` looks up the module global ``CheckpointFunction`` at call time and calls
+# ``CheckpointFunction.apply(function, preserve_rng_state, *args)``. Replacing that one global reaches models
+# enabled before or after apply(), the ``{}`` kwargs peft passes (torch's default is reentrant), explicit
+# ``use_reentrant=True`` and ``checkpoint_sequential``, while leaving non-reentrant calls untouched.
+#
+# Nothing a reentrant call could express is lost: the reentrant path rejects ``context_fn``, ``debug`` and
+# extra kwargs before reaching CheckpointFunction and ignores ``determinism_check``/``early_stop``; the one
+# option it honours, ``preserve_rng_state``, is passed on. Inputs that do not require grad, which make a
+# reentrant region produce no parameter gradients at all, work better: non-reentrant still computes them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.utils.checkpoint as torch_checkpoint
+
+from ._registry import REGISTRY
+from .distributed import is_distributed, log_rank0_once
+
+logger = logging.getLogger("ddp_patches")
+
+TARGET = "torch.utils.checkpoint.CheckpointFunction"
+
+
+def _make_non_reentrant_under_ddp(original_cls: type) -> type:
+    """Build the stand-in for ``CheckpointFunction``; it subclasses the original so type checks still hold."""
+
+    class CheckpointFunction(original_cls):  # same name: error messages and grad_fn names read as usual
+        @classmethod
+        def apply(cls, function, preserve_rng_state, *args):  # the only call site is checkpoint()'s
+            if not is_distributed():
+                # Single process: exactly the original call, so results are bit-identical to no apply().
+                return original_cls.apply(function, preserve_rng_state, *args)
+            log_rank0_once(
+                "checkpoint-swap",
+                logging.INFO,
+                "ddp_patches: reentrant activation checkpointing runs as use_reentrant=False under DDP "
+                "(see NOTE [Why non-reentrant] in ddp_patches/checkpointing.py)",
+            )
+            return torch_checkpoint.checkpoint(
+                function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
+            )
+
+    CheckpointFunction.__qualname__ = original_cls.__qualname__
+    CheckpointFunction.__module__ = original_cls.__module__
+    return CheckpointFunction
+
+
+def _patch_torch_checkpoint_function() -> None:
+    REGISTRY.install(torch_checkpoint, "CheckpointFunction", _make_non_reentrant_under_ddp)
+
+
+def install() -> list[str]:
+    _patch_torch_checkpoint_function()
+    return [TARGET]

@@ -1,0 +1,38 @@
+"""The call-time gate: is this process one of several in a process group?
+
+The process group is usually created after apply() (accelerate's PartialState, inside TrainingArguments or
+SFTConfig), so every patch asks here when it runs, never when it is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+logger = logging.getLogger("ddp_patches")
+
+_logged_once: set[str] = set()
+
+
+def is_distributed() -> bool:
+    """True only when a default process group is initialized with world size > 1."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def log_rank0_once(key: str, level: int, msg: str, *args: object) -> None:
+    """Log once per process (keyed), and only on rank 0, so an 8-rank job prints one line, not eight."""
+    if key in _logged_once:
+        return
+    _logged_once.add(key)
+    if rank() == 0:
+        logger.log(level, msg, *args)
+
+
+def reset_log_once() -> None:
+    """Forget what was logged (revert() calls it, so a later apply() reports again)."""
+    _logged_once.clear()

@@ -1,0 +1,159 @@
+"""Tiny random-init Hugging Face causal LMs with PEFT LoRA/QLoRA, built offline from configs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+VOCAB = 64
+SEQ = 12
+ROWS = 2
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_UNSET = "unset"  # stands for "gradient_checkpointing_kwargs not passed at all"
+
+
+def tiny_config(family: str):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model_type = {"llama": "llama", "qwen2": "qwen2"}[family]
+    return AutoConfig.for_model(model_type, **common)
+
+
+def build_causal_lm(family: str, *, dtype: torch.dtype = torch.float64, qlora: bool = False):
+    """The base model; with ``qlora`` it is saved and re-loaded through bitsandbytes 4-bit (nf4, fp32 compute)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").to(dtype)
+    if not qlora:
+        return model
+    from transformers import BitsAndBytesConfig
+
+    with _shared_tmpdir() as tmp:
+        # Under a process group transformers writes on rank 0 only; every rank then loads the same files.
+        model.save_pretrained(tmp)
+        _barrier()
+        loaded = AutoModelForCausalLM.from_pretrained(
+            tmp,
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+            ),
+            dtype=torch.float32,
+            attn_implementation="eager",
+        )
+        _barrier()
+    return loaded
+
+
+@contextlib.contextmanager
+def _shared_tmpdir():
+    """One temporary directory for all ranks (rank 0 creates and removes it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        with tempfile.TemporaryDirectory(prefix="ddp_patches_qlora_") as tmp:
+            yield tmp
+        return
+    holder = [tempfile.mkdtemp(prefix="ddp_patches_qlora_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    try:
+        yield holder[0]
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def build_lora_model(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, dtype=torch.float64):
+    """LoRA on every attention/MLP projection, activation checkpointing on with ``ckpt_kwargs``.
+
+    ``ckpt_kwargs`` None / {} / {"use_reentrant": True} are the three ways users reach checkpointing;
+    "unset" calls the enable method without the argument. QLoRA goes through
+    ``peft.prepare_model_for_kbit_training``, which enables checkpointing itself (with ``{}``, i.e. reentrant).
+    """
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    model = build_causal_lm(family, dtype=dtype if not qlora else torch.float32, qlora=qlora)
+    if qlora:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    elif ckpt_kwargs == _UNSET:
+        model.activation_checkpointing_enable()
+    else:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+def lm_batch(rank: int, it: int, micro: int) -> dict:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * it + micro + 7)
+    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def combine_lm(batches: list[dict]) -> dict:
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+def lm_loss(model, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def lm_parity(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, ddp_kwargs: dict | None = None,
+              accum: int = 1, iters: int = 2):
+    from .parity import run_parity
+
+    return run_parity(
+        lambda: build_lora_model(family, ckpt_kwargs, qlora=qlora),
+        lm_batch,
+        combine_lm,
+        lm_loss,
+        ddp_kwargs=ddp_kwargs,
+        accum=accum,
+        iters=iters,
+        lr=0.5,
+    )
+
+
+def word_level_tokenizer():
+    """A tokenizer built in memory (no download): one token per word of a small vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB - 3)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def lm_dataset(n: int = 16, seq: int = SEQ, seed: int = 0):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (n, seq), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

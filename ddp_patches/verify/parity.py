@@ -1,0 +1,106 @@
+"""Run DDP on every rank and, beside it, a local replica on the global batch; compare gradients every iteration.
+
+Each rank regenerates every other rank's batch from a seed, so the full-batch reference needs no
+communication and any wrong gradient, on any rank, shows up in that rank's comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+Batch = Any
+
+
+@dataclass
+class ParityResult:
+    max_rel_error: float = 0.0
+    iterations: int = 0
+    losses: list[float] = field(default_factory=list)
+    ranks_in_sync: bool = True
+
+    def as_dict(self) -> dict:
+        return {
+            "max_rel_error": self.max_rel_error,
+            "iterations": self.iterations,
+            "losses": self.losses,
+            "ranks_in_sync": self.ranks_in_sync,
+        }
+
+
+def relative_error(grad: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """max|g - g_ref| / max|g_ref|; a missing gradient counts as zeros (DDP may leave an unused one as None)."""
+    if grad is None and ref is None:
+        return 0.0
+    grad = torch.zeros_like(ref) if grad is None else grad
+    ref = torch.zeros_like(grad) if ref is None else ref
+    diff = (grad.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def run_parity(
+    build: Callable[[], nn.Module],
+    make_batch: Callable[[int, int, int], Batch],
+    combine: Callable[[list[Batch]], Batch],
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+    *,
+    ddp_kwargs: dict | None = None,
+    iters: int = 3,
+    accum: int = 1,
+    lr: float = 0.05,
+    seed: int = 1234,
+) -> ParityResult:
+    """Train ``iters`` optimizer steps under DDP and on a local full-batch replica; compare every step.
+
+    ``make_batch(rank, iteration, micro_step)`` must be deterministic; ``combine`` concatenates the ranks'
+    batches into the global one; ``loss_fn`` must be a mean over the batch (DDP averages over ranks).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = build()
+    torch.manual_seed(seed)
+    reference = build()
+    ddp = DDP(model, **(ddp_kwargs or {}))
+    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=lr)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
+    result = ParityResult()
+    for it in range(iters):
+        for micro in range(accum):
+            sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
+            with sync:
+                loss = loss_fn(ddp, make_batch(rank, it, micro)) / accum
+                loss.backward()
+            global_batch = combine([make_batch(r, it, micro) for r in range(world)])
+            (loss_fn(reference, global_batch) / accum).backward()
+            result.losses.append(float(loss))
+        for (name, p), (_, q) in zip(ddp.module.named_parameters(), reference.named_parameters()):
+            if p.requires_grad:
+                err = relative_error(p.grad, q.grad)
+                if not math.isfinite(err):
+                    raise FloatingPointError(f"non-finite gradient error at {name}, iteration {it}")
+                result.max_rel_error = max(result.max_rel_error, err)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        result.iterations += 1
+    result.ranks_in_sync = params_equal_across_ranks(ddp.module)
+    return result
+
+
+def params_equal_across_ranks(model: nn.Module) -> bool:
+    """True when every trainable parameter is bit-identical to rank 0's."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters() if p.requires_grad])
+    mine = flat.clone()
+    dist.broadcast(flat, src=0)
+    same = torch.tensor([float(torch.equal(flat, mine))], dtype=torch.float64)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item() == 1.0)

@@ -1,0 +1,101 @@
+"""Small modules in the shapes of PyTorch's own DDP-with-checkpointing tests (test_c10d_common.py).
+
+They bind ``checkpoint`` at import time, as user code does, which is exactly what a patch of the
+``torch.utils.checkpoint.checkpoint`` attribute alone would miss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+WIDTH = 20
+
+
+class CheckpointOnce(nn.Module):
+    """One checkpointed layer."""
+
+    def __init__(self, use_reentrant: bool = True):
+        super().__init__()
+        self.l1 = nn.Linear(WIDTH, WIDTH)
+        self.l2 = nn.Linear(WIDTH, WIDTH)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        return checkpoint(self.l2, self.l1(x), use_reentrant=self.use_reentrant)
+
+
+class CheckpointTwice(CheckpointOnce):
+    """The same layer checkpointed twice (pipeline-style reuse)."""
+
+    def forward(self, x):
+        x = checkpoint(self.l2, self.l1(x), use_reentrant=self.use_reentrant)
+        return checkpoint(self.l2, x, use_reentrant=self.use_reentrant)
+
+
+class CheckpointTwiceWeightSharing(CheckpointTwice):
+    """CheckpointTwice with l1 and l2 sharing one weight."""
+
+    def __init__(self, use_reentrant: bool = True):
+        super().__init__(use_reentrant)
+        self.l1.weight = self.l2.weight
+
+
+class DynamicCheckpoint(CheckpointOnce):
+    """Alternates which layer runs: each parameter is used every other forward."""
+
+    def __init__(self, use_reentrant: bool = True):
+        super().__init__(use_reentrant)
+        self.count = 0
+
+    def forward(self, x):
+        layer = self.l1 if self.count % 2 else self.l2
+        self.count += 1
+        return checkpoint(layer, x, use_reentrant=self.use_reentrant)
+
+
+class CheckpointNoGradInput(CheckpointOnce):
+    """A checkpointed region whose only input does not require grad (frozen embedding in front)."""
+
+    def __init__(self, use_reentrant: bool = True):
+        super().__init__(use_reentrant)
+        self.l1.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.l1(x)
+        return checkpoint(self.l2, h, use_reentrant=self.use_reentrant).tanh() + self.l1(x).detach()
+
+
+RAW_MODULES = {
+    "once": CheckpointOnce,
+    "twice": CheckpointTwice,
+    "weight_sharing": CheckpointTwiceWeightSharing,
+    "dynamic": DynamicCheckpoint,
+    "no_grad_input": CheckpointNoGradInput,
+}
+
+
+def raw_batch(rank: int, it: int, micro: int, rows: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * it + micro)
+    return torch.randn(rows, WIDTH, generator=g, dtype=torch.float64)
+
+
+def raw_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def raw_parity(name: str, *, use_reentrant: bool, ddp_kwargs: dict, accum: int, iters: int = 3):
+    from .parity import run_parity
+
+    cls = RAW_MODULES[name]
+    return run_parity(
+        lambda: cls(use_reentrant).double(),
+        raw_batch,
+        lambda xs: torch.cat(xs),
+        raw_loss,
+        ddp_kwargs=ddp_kwargs,
+        accum=accum,
+        iters=iters,
+    )

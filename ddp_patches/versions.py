@@ -1,0 +1,49 @@
+"""Supported library versions, checked by apply() before anything is patched."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+# torch 2.4: non-reentrant checkpoint with determinism_check/early_stop and DDP's
+# _static_graph_delay_allreduce_enqueued, both of which the patches rely on. Tested: torch 2.13.
+# transformers 4.46: GradientCheckpointingLayer-era checkpointing kwargs. Tested: transformers 5.23.
+MINIMUM = {"torch": (2, 4), "transformers": (4, 46)}
+TESTED = {"torch": "2.13", "transformers": "5.23", "peft": "0.21", "trl": "1.16", "accelerate": "1.15"}
+
+
+class UnsupportedVersionError(RuntimeError):
+    """A library that ddp_patches patches or relies on is older than the supported minimum."""
+
+
+def parse(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise UnsupportedVersionError(f"ddp_patches: cannot read a version number from {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def installed(package: str) -> str | None:
+    if package == "torch":  # a torch import that is already done is the one in use
+        import torch
+
+        return torch.__version__
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check(versions: dict[str, str | None] | None = None) -> None:
+    """Raise UnsupportedVersionError naming every package below its minimum."""
+    versions = versions if versions is not None else {name: installed(name) for name in MINIMUM}
+    problems = []
+    for name, minimum in MINIMUM.items():
+        found = versions.get(name)
+        if found is not None and parse(found) < minimum:
+            problems.append(
+                f"{name} {found} is older than the supported minimum {minimum[0]}.{minimum[1]} "
+                f"(tested with {TESTED[name]}): upgrade it, e.g. pip install -U '{name}>={minimum[0]}.{minimum[1]}'"
+            )
+    if problems:
+        raise UnsupportedVersionError("ddp_patches: unsupported library versions:\n  " + "\n  ".join(problems))
