@@ -68,22 +68,50 @@ class CheckpointNoGradInput(CheckpointOnce):
         return checkpoint(self.l2, h, use_reentrant=self.use_reentrant).tanh() + self.l1(x).detach()
 
 
+class UnusedOnSomeRanks(CheckpointOnce):
+    """A "vision" branch that runs only for rows with an image; rank 1's batches never have one.
+
+    The text-only rank gives the branch's parameters no gradient at all: the LoRA-on-a-vision-tower case.
+    Input rows carry their flag in the last column (1.0: has an image).
+    """
+
+    def __init__(self, use_reentrant: bool = True):
+        super().__init__(use_reentrant)
+        self.vision = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        has_image, x = x[:, -1:], x[:, :-1]
+        out = checkpoint(self.l2, self.l1(x), use_reentrant=self.use_reentrant)
+        if bool(has_image.any()):
+            out = out + checkpoint(self.vision, x, use_reentrant=self.use_reentrant) * has_image
+        return out
+
+
 RAW_MODULES = {
     "once": CheckpointOnce,
     "twice": CheckpointTwice,
     "weight_sharing": CheckpointTwiceWeightSharing,
     "dynamic": DynamicCheckpoint,
     "no_grad_input": CheckpointNoGradInput,
+    "unused_on_some_ranks": UnusedOnSomeRanks,
 }
 
 
 def raw_batch(rank: int, it: int, micro: int, rows: int = 4) -> torch.Tensor:
     g = torch.Generator().manual_seed(10_000 * rank + 100 * it + micro)
-    return torch.randn(rows, WIDTH, generator=g, dtype=torch.float64)
+    x = torch.randn(rows, WIDTH, generator=g, dtype=torch.float64)
+    has_image = torch.full((rows, 1), 1.0 if rank == 0 else 0.0, dtype=torch.float64)
+    return torch.cat([x, has_image], dim=1)
 
 
 def raw_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(_unwrap(model), UnusedOnSomeRanks):
+        x = x[:, :-1]  # the image flag column is for UnusedOnSomeRanks only
     return model(x).pow(2).mean()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
 
 
 def raw_parity(name: str, *, use_reentrant: bool, ddp_kwargs: dict, accum: int, iters: int = 3):

@@ -1,0 +1,82 @@
+"""Short HF Trainer / TRL SFTTrainer runs on CPU (gloo) with a tiny LoRA model, as users launch them."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from .hf_models import build_lora_model, lm_dataset, word_level_tokenizer
+from .parity import params_equal_across_ranks
+
+
+def train(
+    kind: str = "trainer",
+    *,
+    family: str = "llama",
+    ckpt_kwargs: dict | None = None,
+    static_graph: bool | None = None,
+    find_unused: bool | None = None,
+    accum: int = 2,
+    steps: int = 3,
+    qlora: bool = False,
+) -> dict:
+    """Run ``steps`` optimizer steps; return final loss, whether it is finite, and LoRA equality across ranks.
+
+    Checkpointing is enabled through the training arguments (``gradient_checkpointing=True`` with
+    ``ckpt_kwargs``), the way users do it; ``find_unused``/``static_graph`` are the ddp_* arguments, None
+    meaning not set.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = build_lora_model(family, ckpt_kwargs, qlora=qlora, dtype=torch.float32)
+    common = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accum,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs=ckpt_kwargs,
+        ddp_find_unused_parameters=find_unused,
+        ddp_static_graph=static_graph,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    with tempfile.TemporaryDirectory(prefix="ddp_patches_train_") as out:
+        if kind == "trainer":
+            args = TrainingArguments(output_dir=out, **common)
+            trainer = Trainer(model=model, args=args, train_dataset=lm_dataset())
+        elif kind == "sft":
+            from trl import SFTConfig, SFTTrainer
+
+            args = SFTConfig(output_dir=out, **common, max_length=None, packing=False)
+            trainer = SFTTrainer(
+                model=model, args=args, train_dataset=lm_dataset(), processing_class=word_level_tokenizer()
+            )
+        else:
+            raise ValueError(f"kind must be 'trainer' or 'sft', got {kind!r}")
+        result = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    ddp = trainer.model_wrapped
+    return {
+        "train_loss": float(result.training_loss),
+        "losses": losses,
+        "finite": all(math.isfinite(x) for x in losses + [result.training_loss]),
+        "steps": trainer.state.global_step,
+        "lora_in_sync": params_equal_across_ranks(trainer.model),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "ddp": {
+            "find_unused_parameters": getattr(ddp, "find_unused_parameters", None),
+            "static_graph": getattr(ddp, "static_graph", None),
+        },
+    }
