@@ -1,0 +1,28 @@
+"""validate_ddp_fix.py end to end on one scenario: the unpatched failure is captured, the patched run passes."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_validate_one_scenario(tmp_path):
+    out = tmp_path / "v.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "validate_ddp_fix.py"), "--scenarios", "raw-static-graph-accum",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["unpatched"]["status"] == "error" and "expect_autograd_hooks_" in row["unpatched"]["detail"]
+    assert row["patched"]["status"] == "pass" and row["patched"]["max_rel_error"] <= 1e-9
+    assert "patched: 1 passed, 0 failed" in proc.stdout
+
+
+def test_validate_rejects_unknown_scenario():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "validate_ddp_fix.py"), "--scenarios", "nope"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "see --list" in proc.stderr
