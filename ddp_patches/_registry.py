@@ -85,10 +85,6 @@ class PatchRegistry:
         self._patches.clear()
         return restored
 
-    @property
-    def names(self) -> list[str]:
-        return [f"{_qualname(p.owner)}.{p.name}" for p in self._patches.values()]
-
 
 def _mark(replacement: Any, original: Any) -> None:
     try:

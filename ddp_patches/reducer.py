@@ -116,8 +116,7 @@ def _patched_ddp_init(original_init):
         if not is_distributed():
             return original_init(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
-        explicit = {k: v for k, v in bound.arguments.items() if k not in ("self", "module", "kwargs")}
-        explicit.update(bound.arguments.get("kwargs", {}))
+        explicit = {k: v for k, v in bound.arguments.items() if k not in ("self", "module")}
         changes, reasons = choose_ddp_settings(explicit, checkpoint_swap=_checkpoint_swap_active())
         original_init(self, *args, **{**kwargs, **changes})
         REGISTRY.add_handle(self.register_forward_pre_hook(TrainableGuard(self)))

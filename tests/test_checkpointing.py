@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -25,8 +27,7 @@ def swap_case(patched: bool = True) -> dict:
     """Reentrant checkpoint with dropout inside: which path ran, and do its gradients match no checkpoint?"""
     layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).double()
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
-    ctx = ddp_patches.patched() if patched else _Null()
-    with ctx:
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
         state = torch.get_rng_state()
         out = checkpoint(layer, x, use_reentrant=True)
         out.sum().backward()
@@ -38,14 +39,6 @@ def swap_case(patched: bool = True) -> dict:
         "reentrant_node": "CheckpointFunctionBackward" in _grad_fn_names(out),
         "grads_equal": all(torch.equal(a, p.grad) for a, p in zip(grads, layer.parameters())),
     }
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_single_process_keeps_reentrant_path():
@@ -63,7 +56,7 @@ def lora_loss_and_grads(patched: bool) -> tuple:
     from ddp_patches.verify.hf_models import build_lora_model, lm_batch, lm_loss
 
     torch.manual_seed(0)
-    with (ddp_patches.patched() if patched else _Null()):
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
         model = build_lora_model("llama", {"use_reentrant": True})
         loss = lm_loss(model, lm_batch(0, 0, 0))
         loss.backward()

@@ -7,6 +7,7 @@ launched ranks; with one process the DDP part is skipped and the no-op guarantee
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -48,9 +49,7 @@ def raw_case(module, use_reentrant, find_unused, static_graph, bucket_view, accu
     kwargs = {"static_graph": static_graph, "gradient_as_bucket_view": bucket_view}
     if find_unused is not None:
         kwargs["find_unused_parameters"] = find_unused
-    if not patched:
-        return raw_parity(module, use_reentrant=use_reentrant, ddp_kwargs=kwargs, accum=accum).as_dict()
-    with ddp_patches.patched():
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
         return raw_parity(module, use_reentrant=use_reentrant, ddp_kwargs=kwargs, accum=accum).as_dict()
 
 
@@ -98,22 +97,13 @@ def test_single_process_is_bit_identical():
     for patched in (False, True):
         torch.manual_seed(0)
         model = RAW_MODULES["twice"](use_reentrant=True).double()
-        ctx = ddp_patches.patched() if patched else _null()
-        with ctx:
+        with ddp_patches.patched() if patched else contextlib.nullcontext():
             loss = raw_loss(model, raw_batch(0, 0, 0))
             loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 import ddp_patches
@@ -19,13 +21,10 @@ DDP_SETTINGS = {
 def lm_case(family, ckpt, ddp, accum, qlora=False, patched=True) -> dict:
     from ddp_patches.verify.hf_models import lm_parity
 
-    run = lambda: lm_parity(  # noqa: E731
-        family, CKPT_KWARGS[ckpt], qlora=qlora, ddp_kwargs=DDP_SETTINGS[ddp], accum=accum
-    ).as_dict()
-    if not patched:
-        return run()
-    with ddp_patches.patched():
-        return run()
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
+        return lm_parity(
+            family, CKPT_KWARGS[ckpt], qlora=qlora, ddp_kwargs=DDP_SETTINGS[ddp], accum=accum
+        ).as_dict()
 
 
 @pytest.mark.parametrize("accum", [1, 2])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 import ddp_patches
@@ -10,13 +12,9 @@ import ddp_patches
 def trainer_case(kind, ckpt_kwargs, static_graph, find_unused=None, accum=2, qlora=False, patched=True) -> dict:
     from ddp_patches.verify.trainer_runs import train
 
-    run = lambda: train(  # noqa: E731
-        kind, ckpt_kwargs=ckpt_kwargs, static_graph=static_graph, find_unused=find_unused, accum=accum, qlora=qlora
-    )
-    if not patched:
-        return run()
-    with ddp_patches.patched():
-        return run()
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
+        return train(kind, ckpt_kwargs=ckpt_kwargs, static_graph=static_graph, find_unused=find_unused,
+                     accum=accum, qlora=qlora)
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import tempfile
 from typing import Any
@@ -153,7 +152,3 @@ def lm_dataset(n: int = 16, seq: int = SEQ, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (n, seq), generator=g).tolist()
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,12 +27,7 @@ class ParityResult:
     ranks_in_sync: bool = True
 
     def as_dict(self) -> dict:
-        return {
-            "max_rel_error": self.max_rel_error,
-            "iterations": self.iterations,
-            "losses": self.losses,
-            "ranks_in_sync": self.ranks_in_sync,
-        }
+        return asdict(self)
 
 
 def relative_error(grad: torch.Tensor | None, ref: torch.Tensor | None) -> float:
