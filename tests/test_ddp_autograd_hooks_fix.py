@@ -30,7 +30,7 @@ def unsupported(module: str, find_unused, static_graph: bool) -> str | None:
     """Combinations no DDP setting can train, with or without this library."""
     if module == "dynamic" and static_graph:
         return "a parameter alternating between used and unused changes the graph static_graph assumes fixed"
-    if module in ("dynamic", "unused_on_some_ranks") and find_unused is False:
+    if module in ("dynamic", "unused_on_some_ranks") and find_unused is False and not static_graph:
         return "an unused parameter with an explicit find_unused_parameters=False cannot be reduced"
     return None
 
