@@ -98,15 +98,17 @@ def _changed_message(expected: frozenset[str], current: frozenset[str]) -> str:
     removed = sorted(expected - current)
     lines = ["ddp_patches: the trainable parameters changed after the model was wrapped in DistributedDataParallel."]
     if added:
-        lines.append(f"  now trainable, but not when DDP was built (they would never be synchronised): {added[:8]}"
-                     + (f" and {len(added) - 8} more" if len(added) > 8 else ""))
+        lines.append(f"  now trainable, but not when DDP was built (they would never be synchronised): {_some(added)}")
     if removed:
-        lines.append(f"  trainable when DDP was built, frozen now (the reducer would wait for them): {removed[:8]}"
-                     + (f" and {len(removed) - 8} more" if len(removed) > 8 else ""))
+        lines.append(f"  trainable when DDP was built, frozen now (the reducer would wait for them): {_some(removed)}")
     lines.append("  DDP registers its gradient hooks once, at construction. Freeze/unfreeze parameters and add "
                  "adapters before wrapping (before Trainer/SFTTrainer or accelerator.prepare), or build a new "
                  "DistributedDataParallel after the change.")
     return "\n".join(lines)
+
+
+def _some(names: list[str], shown: int = 8) -> str:
+    return f"{names[:shown]}" + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _patched_ddp_init(original_init):
