@@ -8,6 +8,8 @@ Importing this package changes nothing; apply() installs the patches and revert(
 
 from .api import ApplyReport, apply, is_applied, patched, revert
 from .distributed import is_distributed
+from .offload import OffloadStats
+from .offload import stats as offload_stats
 from .reducer import TrainableParametersChangedError
 from .versions import UnsupportedVersionError
 
@@ -15,11 +17,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApplyReport",
+    "OffloadStats",
     "TrainableParametersChangedError",
     "UnsupportedVersionError",
     "apply",
     "is_applied",
     "is_distributed",
+    "offload_stats",
     "patched",
     "revert",
     "__version__",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import checkpointing as _checkpointing_patch
+from . import offload as _offload_patch
 from . import reducer as _reducer_patch
 from . import versions
 from ._registry import REGISTRY
@@ -43,6 +44,8 @@ def apply(
     offload: bool | str = "auto",
     tiled_mlp: bool = False,
     tiled_mlp_shard_tokens: int | None = None,
+    offload_min_bytes: int = _offload_patch.DEFAULT_MIN_BYTES,
+    offload_max_pinned_bytes: int | None = None,
 ) -> ApplyReport:
     """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
 
@@ -54,11 +57,18 @@ def apply(
         checkpointing: run every activation checkpoint as ``use_reentrant=False`` under DDP.
         reducer: choose safe DDP settings at construction, make static_graph work with gradient accumulation,
             and check the trainable-parameter set at each forward.
-        offload: CPU offload of checkpoint inputs ("auto", True, False). Not available yet in this version.
+        offload: move the inputs of each non-reentrant checkpoint (a layer's input hidden states) to pinned host
+            memory between forward and backward. "auto" (default) does it when distributed and the tensors are
+            on a CUDA device; True asks for it and logs a warning where it cannot act (single process, CPU-only
+            host); False leaves checkpoints alone.
+        offload_min_bytes: tensors smaller than this stay on the device (default 1 MiB).
+        offload_max_pinned_bytes: per-rank cap of pinned host memory for offload (default: a quarter of
+            physical RAM divided by LOCAL_WORLD_SIZE); beyond it tensors stay on the device.
         tiled_mlp: sequence-tiled MLP with a DDP-safe backward. Not available yet in this version.
         tiled_mlp_shard_tokens: tokens per MLP shard (None: automatic). Used with ``tiled_mlp``.
     """
     options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
+    options.update(_validate_offload_sizes(offload_min_bytes, offload_max_pinned_bytes))
     current = _state["report"]
     if current is not None:
         if current.options == options:
@@ -73,6 +83,12 @@ def apply(
             installed += _checkpointing_patch.install()
         if options["reducer"]:
             installed += _reducer_patch.install()
+        if options["offload"] is not False:
+            installed += _offload_patch.install(
+                explicit=options["offload"] is True,
+                min_bytes=options["offload_min_bytes"],
+                max_pinned_bytes=options["offload_max_pinned_bytes"],
+            )
     except BaseException:
         REGISTRY.restore_all()  # all or nothing
         raise
@@ -133,12 +149,19 @@ def _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens
     }
 
 
+def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:
+    for name, value, allow_none in (("offload_min_bytes", min_bytes, False),
+                                    ("offload_max_pinned_bytes", max_pinned_bytes, True)):
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            expected = "None (automatic) or " if allow_none else ""
+            raise ValueError(f"ddp_patches.apply({name}=...) expects {expected}a number of bytes >= 0, got {value!r}")
+    return {"offload_min_bytes": min_bytes, "offload_max_pinned_bytes": max_pinned_bytes}
+
+
 def _not_available(options: dict) -> tuple[str, ...]:
     missing = []
-    if options["offload"] is True:
-        logger.warning("ddp_patches: offload=True was asked for but CPU offload is not available in this version; "
-                       "checkpoint inputs stay on the device")
-        missing.append("offload")
     if options["tiled_mlp"] or options["tiled_mlp_shard_tokens"] is not None:
         logger.warning("ddp_patches: tiled_mlp was asked for but the tiled MLP is not available in this version; "
                        "MLPs run untiled")

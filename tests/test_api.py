@@ -14,7 +14,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_patches
 from ddp_patches import versions
 
-TARGETS = [(torch_checkpoint, "CheckpointFunction"), (DDP, "__init__"), (DDP, "no_sync")]
+TARGETS = [
+    (torch_checkpoint, "CheckpointFunction"),
+    (torch_checkpoint, "_checkpoint_without_reentrant_generator"),
+    (DDP, "__init__"),
+    (DDP, "no_sync"),
+]
 
 
 def _raw():
@@ -42,7 +47,7 @@ def test_apply_twice_is_apply_once():
 
 def test_apply_with_other_options_reapplies():
     ddp_patches.apply()
-    report = ddp_patches.apply(reducer=False)
+    report = ddp_patches.apply(reducer=False, offload=False)
     assert report.installed == ("torch.utils.checkpoint.CheckpointFunction",)
     assert vars(DDP)["__init__"].__qualname__ == "DistributedDataParallel.__init__"
     assert not hasattr(vars(DDP)["__init__"], "__ddp_patches__")
@@ -65,6 +70,8 @@ def test_unknown_keyword_is_a_type_error():
     ({"offload": "yes"}, ValueError, "expects 'auto', True or False"),
     ({"checkpointing": 1}, TypeError, "expects True or False"),
     ({"tiled_mlp_shard_tokens": 0}, ValueError, "positive int"),
+    ({"offload_min_bytes": -1}, ValueError, "a number of bytes >= 0, got -1"),
+    ({"offload_max_pinned_bytes": "1G"}, ValueError, "None \\(automatic\\) or a number of bytes"),
 ])
 def test_bad_values_say_what_was_expected(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -74,9 +81,22 @@ def test_bad_values_say_what_was_expected(kwargs, error, match):
 
 def test_not_yet_available_features_warn(caplog):
     with caplog.at_level(logging.WARNING, logger="ddp_patches"):
-        report = ddp_patches.apply(offload=True, tiled_mlp=True)
-    assert report.not_available == ("offload", "tiled_mlp")
+        report = ddp_patches.apply(tiled_mlp=True)
+    assert report.not_available == ("tiled_mlp",)
     assert "not available in this version" in caplog.text
+
+
+def test_offload_true_on_a_cpu_host_says_why_it_is_inert(caplog):
+    with caplog.at_level(logging.WARNING, logger="ddp_patches"):
+        report = ddp_patches.apply(offload=True)
+    assert "torch.utils.checkpoint._checkpoint_without_reentrant_generator" in report.installed
+    assert report.not_available == ()
+    assert "no CUDA device" in caplog.text and "inert" in caplog.text
+
+
+def test_offload_false_installs_no_offload_patch():
+    report = ddp_patches.apply(offload=False)
+    assert not [name for name in report.installed if "without_reentrant" in name]
 
 
 def test_unsupported_torch_version_is_named(monkeypatch):
@@ -95,9 +115,10 @@ def test_unsupported_transformers_version_is_named():
 def test_import_changes_nothing():
     code = (
         "import torch.utils.checkpoint as c; from torch.nn.parallel import DistributedDataParallel as D;"
-        "before = (vars(c)['CheckpointFunction'], vars(D)['__init__'], vars(D)['no_sync']);"
+        "names = ('CheckpointFunction', '_checkpoint_without_reentrant_generator');"
+        "before = [vars(c)[n] for n in names] + [vars(D)['__init__'], vars(D)['no_sync']];"
         "import ddp_patches;"
-        "after = (vars(c)['CheckpointFunction'], vars(D)['__init__'], vars(D)['no_sync']);"
+        "after = [vars(c)[n] for n in names] + [vars(D)['__init__'], vars(D)['no_sync']];"
         "assert all(a is b for a, b in zip(before, after)); print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -16,14 +16,14 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 _UNSET = "unset"  # stands for "gradient_checkpointing_kwargs not passed at all"
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, layers: int = 2):
     from transformers import AutoConfig
 
     common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -33,11 +33,11 @@ def tiny_config(family: str):
     return AutoConfig.for_model(model_type, **common)
 
 
-def build_causal_lm(family: str, *, dtype: torch.dtype = torch.float64, qlora: bool = False):
+def build_causal_lm(family: str, *, dtype: torch.dtype = torch.float64, qlora: bool = False, layers: int = 2):
     """The base model; with ``qlora`` it is saved and re-loaded through bitsandbytes 4-bit (nf4, fp32 compute)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").to(dtype)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, layers), attn_implementation="eager").to(dtype)
     if not qlora:
         return model
     from transformers import BitsAndBytesConfig
@@ -83,7 +83,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def build_lora_model(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, dtype=torch.float64):
+def build_lora_model(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, dtype=torch.float64,
+                     layers: int = 2):
     """LoRA on every attention/MLP projection, activation checkpointing on with ``ckpt_kwargs``.
 
     ``ckpt_kwargs`` None / {} / {"use_reentrant": True} are the three ways users reach checkpointing;
@@ -92,7 +93,7 @@ def build_lora_model(family: str, ckpt_kwargs: Any = None, *, qlora: bool = Fals
     """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    model = build_causal_lm(family, dtype=dtype if not qlora else torch.float32, qlora=qlora)
+    model = build_causal_lm(family, dtype=dtype if not qlora else torch.float32, qlora=qlora, layers=layers)
     if qlora:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     elif ckpt_kwargs == _UNSET:

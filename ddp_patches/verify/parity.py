@@ -75,7 +75,7 @@ def run_parity(
                 loss.backward()
             global_batch = combine([make_batch(r, it, micro) for r in range(world)])
             (loss_fn(reference, global_batch) / accum).backward()
-            result.losses.append(float(loss))
+            result.losses.append(float(loss.detach()))
         for (name, p), (_, q) in zip(ddp.module.named_parameters(), reference.named_parameters()):
             if p.requires_grad:
                 err = relative_error(p.grad, q.grad)

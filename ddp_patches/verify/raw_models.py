@@ -87,6 +87,27 @@ class UnusedOnSomeRanks(CheckpointOnce):
         return out
 
 
+class CheckpointStack(nn.Module):
+    """An input projection, then ``depth`` checkpointed blocks (the second with ``dropout``), like a decoder.
+
+    Its checkpoint inputs are the blocks' input activations, non-leaf tensors: what offload moves to the host.
+    """
+
+    def __init__(self, use_reentrant: bool = False, depth: int = 4, width: int = WIDTH, dropout: float = 0.0):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Dropout(dropout if i == 1 else 0.0), nn.Tanh()) for i in range(depth)
+        )
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return h
+
+
 RAW_MODULES = {
     "once": CheckpointOnce,
     "twice": CheckpointTwice,

@@ -22,6 +22,7 @@ def train(
     accum: int = 2,
     steps: int = 3,
     qlora: bool = False,
+    layers: int = 2,
 ) -> dict:
     """Run ``steps`` optimizer steps; return final loss, whether it is finite, and LoRA equality across ranks.
 
@@ -32,7 +33,16 @@ def train(
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    model = build_lora_model(family, ckpt_kwargs, qlora=qlora, dtype=torch.float32)
+    extra: dict = {}
+    if family == "qwen2_vl":
+        from .vlm_models import build_qwen2_vl_lora, collate_qwen2_vl, qwen2_vl_dataset
+
+        model = build_qwen2_vl_lora(ckpt_kwargs)
+        dataset = qwen2_vl_dataset()
+        extra = {"data_collator": collate_qwen2_vl}
+    else:
+        model = build_lora_model(family, ckpt_kwargs, qlora=qlora, dtype=torch.float32, layers=layers)
+        dataset = lm_dataset()
     common = dict(
         per_device_train_batch_size=2,
         gradient_accumulation_steps=accum,
@@ -51,17 +61,18 @@ def train(
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
+        remove_unused_columns=family != "qwen2_vl",
     )
     with tempfile.TemporaryDirectory(prefix="ddp_patches_train_") as out:
         if kind == "trainer":
             args = TrainingArguments(output_dir=out, **common)
-            trainer = Trainer(model=model, args=args, train_dataset=lm_dataset())
+            trainer = Trainer(model=model, args=args, train_dataset=dataset, **extra)
         elif kind == "sft":
             from trl import SFTConfig, SFTTrainer
 
             args = SFTConfig(output_dir=out, **common, max_length=None, packing=False)
             trainer = SFTTrainer(
-                model=model, args=args, train_dataset=lm_dataset(), processing_class=word_level_tokenizer()
+                model=model, args=args, train_dataset=dataset, processing_class=word_level_tokenizer(), **extra
             )
         else:
             raise ValueError(f"kind must be 'trainer' or 'sft', got {kind!r}")

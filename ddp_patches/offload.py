@@ -1,0 +1,409 @@
+"""Mechanism 3: the inputs of every non-reentrant checkpoint go to (pinned) host memory until backward.
+
+# NOTE [What the outer hook sees]
+# A non-reentrant checkpoint saves its positional tensor inputs (``_CheckpointFrame.save_inputs`` in torch
+# 2.13, ``_NoopSaveInputs`` before) *before* it pushes its own ``_checkpoint_hook``; everything the region saves
+# afterwards goes to that inner hook and is recomputed in backward. saved_tensors_hooks form a stack and only the
+# top one is called. So hooks pushed around the whole checkpoint call see exactly the checkpoint inputs -- a
+# decoder layer's input hidden states, which is what non-reentrant checkpointing keeps on the device between
+# forward and backward -- and nothing else. ``checkpoint()`` looks up the module global
+# ``_checkpoint_without_reentrant_generator`` at call time; wrapping it reaches every non-reentrant call
+# (transformers' layers, the reentrant calls the checkpointing patch converts, user code) with no change to what
+# the checkpoint computes. The wrapper delegates with ``yield from``, so our hooks are pushed before and popped
+# after the checkpoint's own (the stack stays balanced, also when the region raises).
+#
+# The hooks are not pushed when another saved-tensor hook is already on top: inside an outer checkpoint (a
+# nested checkpoint's inputs belong to the outer frame), under the user's own ``save_on_cpu``, or during
+# backward recomputation. ``pack`` also returns its input untouched while a backward runs, so a recomputed
+# tensor is never re-packed.
+#
+# NOTE [What is never offloaded]
+# Moving a tensor frees device memory only if nothing else holds its storage. Parameters, views of parameters
+# (``F.linear`` saves ``weight.t()``, which an isinstance(Parameter) check misses) and other leaves that require
+# grad are held by the module or by autograd's AccumulateGrad node; an expanded tensor (a stride of 0) is a view
+# of something smaller; a tensor under ``min_bytes`` is not worth a copy. The last checkpoint input of a forward
+# is packed but left on the device: backward needs it first, so copying it out and back is pure cost. It is
+# recognised without knowing the model: each pack offloads the *previous* checkpoint input, and the input still
+# pending when backward begins is the last one.
+#
+# NOTE [Copies, streams and lifetimes]
+# Device-to-host copies go into pinned buffers (``pinned_pool``) on one side stream that first waits for the
+# compute stream, so the copy reads a finished tensor and overlaps the next layer's forward. The source tensor
+# stays referenced by its handle until the copy's event has completed (checked at each later pack and when
+# backward begins), so the caching allocator cannot hand its memory to a kernel while the copy still reads it.
+# In backward, unpacking layer k's input starts the host-to-device copy of the input needed next (the previous
+# offloaded one) on the side stream, so recomputation finds it on the device; the compute stream waits on that
+# copy's event before using it. Without CUDA (CPU tests) the same code runs with synchronous copies into ordinary
+# host memory; ``non_blocking`` is never used with pageable memory, where it would not be asynchronous anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import weakref
+from collections import Counter
+from typing import Callable, Iterator
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from ._registry import REGISTRY
+from .distributed import is_distributed, log_rank0_once
+from .pinned_pool import PinnedBufferPool, default_cap_bytes
+
+logger = logging.getLogger("ddp_patches")
+
+TARGET = "torch.utils.checkpoint._checkpoint_without_reentrant_generator"
+DEFAULT_MIN_BYTES = 1 << 20
+
+# Reasons a packed tensor stays where it is (keys of OffloadStats.kept).
+PARAMETER = "parameter"
+PARAMETER_VIEW = "view of a parameter"
+GRAD_LEAF = "leaf that requires grad"
+EXPANDED = "expanded (stride 0)"
+SMALL = "below min_bytes"
+DEVICE = "device not offloaded"
+POOL_CAP = "pinned pool cap"
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """What one forward/backward (one micro-step) did; ``peak_pinned_bytes`` is host memory in use at most."""
+
+    step: int = 0
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    deduplicated: int = 0
+    kept_last: int = 0
+    kept: dict = dataclasses.field(default_factory=Counter)
+    prefetched: int = 0
+    waited: int = 0  # unpacks that had to start their own host-to-device copy
+    peak_pinned_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["kept"] = dict(self.kept)
+        return d
+
+
+def keep_reason(t: torch.Tensor, min_bytes: int) -> str | None:
+    """Why ``t`` must stay where it is (see NOTE [What is never offloaded]), or None if it may move."""
+    if isinstance(t, nn.Parameter):
+        return PARAMETER
+    base = t._base
+    if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
+        return PARAMETER_VIEW
+    if t.is_leaf and t.requires_grad:
+        return GRAD_LEAF
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        return EXPANDED
+    if t.numel() * t.element_size() < max(min_bytes, 1):
+        return SMALL
+    return None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly numel elements of its storage (any dim order): its strides can be kept."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Offloaded:
+    """One packed checkpoint input: on the device (``source``) until its host copy is complete."""
+
+    __slots__ = ("index", "origin", "device", "dtype", "shape", "stride", "nbytes", "source", "host", "copied",
+                 "prefetched", "__weakref__")
+
+    def __init__(self, t: torch.Tensor, index: int) -> None:
+        self.index = index
+        self.origin = weakref.ref(t)  # identity check for deduplication, without keeping ``t`` alive
+        self.device = t.device
+        self.dtype = t.dtype
+        self.shape = t.shape
+        self.stride = t.stride() if _dense(t) else None  # None: restored contiguous
+        self.nbytes = t.numel() * t.element_size()
+        self.source: torch.Tensor | None = t
+        self.host: torch.Tensor | None = None
+        self.copied = None  # CUDA event of the device-to-host copy, None once complete (or synchronous)
+        self.prefetched: tuple | None = None  # (device tensor, event) started ahead of its unpack
+
+
+class CheckpointInputOffloader:
+    """pack/unpack for the checkpoint inputs, with per-step accounting. One per process.
+
+    Args:
+        min_bytes: tensors smaller than this stay on the device.
+        max_pinned_bytes: per-rank cap of the host buffer pool (None: ``pinned_pool.default_cap_bytes()``).
+        should_offload: which devices' tensors to move (default: CUDA tensors). CPU tests pass ``lambda t: True``
+            to run the real code path, copying CPU tensors into separate host storage.
+        gate: whether the hooks are pushed at all at a checkpoint call (default: ``is_distributed``).
+        explicit: offload=True was asked for; reasons for being inert are then warnings, not debug lines.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        max_pinned_bytes: int | None = None,
+        should_offload: Callable[[torch.Tensor], bool] | None = None,
+        gate: Callable[[], bool] | None = None,
+        explicit: bool = False,
+    ) -> None:
+        self.min_bytes = min_bytes
+        self._cuda_only = should_offload is None
+        self.should_offload = should_offload or (lambda t: t.device.type == "cuda")
+        self.gate = gate or is_distributed
+        self.explicit = explicit
+        cap = default_cap_bytes() if max_pinned_bytes is None else max_pinned_bytes
+        self.pool = PinnedBufferPool(cap, pin=torch.cuda.is_available())
+        self.stats = OffloadStats(step=1)
+        self.last_step: OffloadStats | None = None
+        self._backward_begun = False
+        self._pending: weakref.ref | None = None  # last packed handle, still on the device
+        self._order: list[weakref.ref] = []  # this step's handles, in pack order
+        self._by_key: dict[tuple, weakref.ref] = {}
+        self._copying: list[weakref.ref] = []  # handles whose device-to-host copy may still run
+        self._streams: dict[torch.device, object] = {}
+
+    # -- when to push the hooks ------------------------------------------------------------------------------
+    def wants_hooks(self) -> bool:
+        """Push pack/unpack around this checkpoint call? (See NOTE [What the outer hook sees].)"""
+        if not torch.is_grad_enabled() or _in_backward():
+            return False
+        if not self.gate():
+            self._inert("single-process", "the process is not distributed (world size 1)")
+            return False
+        if self._cuda_only and not torch.cuda.is_available():
+            self._inert("no-cuda", "this host has no CUDA device (activations already live in host memory)")
+            return False
+        hooks = torch._C._autograd
+        return hooks._saved_tensors_hooks_is_enabled() and hooks._top_saved_tensors_default_hooks(False) is None
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+
+    # -- pack: forward ---------------------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        if _in_backward():
+            return t  # a recomputed tensor: never re-packed
+        if self._backward_begun:
+            self._begin_step()
+        if not self.should_offload(t):
+            reason = DEVICE
+            self._inert("device-" + t.device.type, f"the checkpoint inputs are on {t.device.type}, not an accelerator")
+        else:
+            reason = keep_reason(t, self.min_bytes)
+        if reason is not None:
+            self.stats.kept[reason] += 1
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        seen = self._by_key.get(key)
+        handle = seen() if seen is not None else None
+        if handle is not None and handle.origin() is t:  # the same tensor again; a transpose has another key
+            self.stats.deduplicated += 1
+            return handle
+        handle = _Offloaded(t, len(self._order))
+        self._by_key[key] = weakref.ref(handle)
+        self._order.append(weakref.ref(handle))
+        previous = self._pending() if self._pending is not None else None
+        self._pending = weakref.ref(handle)
+        if previous is not None:
+            self._copy_out(previous)
+        self._reap()
+        return handle
+
+    def _copy_out(self, h: _Offloaded) -> None:
+        buf = self.pool.acquire(h.nbytes)
+        if buf is None:
+            self.stats.kept[POOL_CAP] += 1
+            log_rank0_once("offload-cap", logging.WARNING,
+                           "ddp_patches: offload pinned pool reached its cap of %d MiB; further checkpoint "
+                           "inputs stay on the device (raise apply(offload_max_pinned_bytes=...))",
+                           self.pool.cap_bytes >> 20)
+            return
+        weakref.finalize(h, self.pool.release, buf)  # back to the pool when autograd drops the saved input
+        h.host = _typed_view(buf, h)
+        stream = self._stream(h.device)
+        if stream is None:
+            h.host.copy_(h.source)
+            h.source = None
+        else:
+            stream.wait_stream(torch.cuda.current_stream(h.device))
+            with torch.cuda.stream(stream):
+                h.host.copy_(h.source, non_blocking=True)
+                h.copied = torch.cuda.Event()
+                h.copied.record(stream)
+            self._copying.append(weakref.ref(h))
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += h.nbytes
+        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self.pool.in_use_bytes)
+
+    def _reap(self) -> None:
+        """Drop the device source of every handle whose host copy has completed."""
+        still = []
+        for ref in self._copying:
+            h = ref()
+            if h is None or h.copied is None:
+                continue
+            if h.copied.query():
+                h.copied, h.source = None, None
+            else:
+                still.append(ref)
+        self._copying = still
+
+    # -- unpack: backward ------------------------------------------------------------------------------------
+    def unpack(self, packed):
+        if not self._backward_begun:
+            self._begin_backward()
+        if not isinstance(packed, _Offloaded):
+            return packed
+        if packed.source is not None:  # the last layer, or a copy not yet known to be complete
+            tensor, event = packed.source, None
+        elif packed.prefetched is not None:
+            tensor, event = packed.prefetched
+            packed.prefetched = None
+            self.stats.prefetched += 1
+        else:
+            tensor, event = self._copy_in(packed)
+            self.stats.waited += 1
+        if event is not None:
+            torch.cuda.current_stream(tensor.device).wait_event(event)
+        self._prefetch_before(packed.index)  # queued behind this layer's recompute and backward
+        return tensor
+
+    def _copy_in(self, h: _Offloaded) -> tuple:
+        if h.stride is not None:
+            out = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=h.device)
+        else:
+            out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        stream = self._stream(h.device)
+        if stream is None:
+            out.copy_(h.host)
+            return out, None
+        stream.wait_stream(torch.cuda.current_stream(h.device))  # ``out`` may reuse memory still being read
+        with torch.cuda.stream(stream):
+            out.copy_(h.host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return out, event
+
+    def _prefetch_before(self, index: int) -> None:
+        """Start bringing back the input that backward will ask for next: the closest earlier offloaded one."""
+        for ref in reversed(self._order[:index]):
+            h = ref()
+            if h is None or h.source is not None or h.host is None:
+                continue
+            if h.prefetched is None:
+                h.prefetched = self._copy_in(h)
+            return
+
+    # -- step boundaries -------------------------------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        self._backward_begun = True
+        if self._pending is not None and self._pending() is not None:
+            self.stats.kept_last += 1
+        self._pending = None
+        self._reap()
+
+    def _begin_step(self) -> None:
+        """The first pack after a backward starts a new micro-step."""
+        self._backward_begun = False
+        self.last_step = self.stats
+        if self.stats.step == 1 and self.stats.offloaded_tensors:
+            log_rank0_once("offload-first-step", logging.INFO,
+                           "ddp_patches: offload moved %d checkpoint inputs (%.1f MiB) to host memory in the "
+                           "first step; kept on the device: last layer %d, other %s",
+                           self.stats.offloaded_tensors, self.stats.offloaded_bytes / 2**20,
+                           self.stats.kept_last, dict(self.stats.kept))
+        logger.debug("ddp_patches offload step: %s", self.stats.as_dict())
+        self.stats = OffloadStats(step=self.stats.step + 1)
+        self._order.clear()
+        self._by_key.clear()
+        self._pending = None
+
+    def _inert(self, key: str, why: str) -> None:
+        log_rank0_once("offload-inert-" + key, logging.WARNING if self.explicit else logging.DEBUG,
+                       "ddp_patches: offload is inert here because %s; checkpoint inputs stay where they are", why)
+
+    def _stream(self, device: torch.device):
+        if device.type != "cuda" or not self.pool.pin:
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def _typed_view(buf: torch.Tensor, h: _Offloaded) -> torch.Tensor:
+    typed = buf.view(h.dtype)
+    if h.stride is None:
+        return typed.view(h.shape)
+    return typed.as_strided(h.shape, h.stride)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+# -- installation ----------------------------------------------------------------------------------------------
+_active: dict[str, CheckpointInputOffloader | None] = {"offloader": None}
+
+
+def current() -> CheckpointInputOffloader | None:
+    return _active["offloader"]
+
+
+@contextlib.contextmanager
+def use_offloader(offloader: CheckpointInputOffloader) -> Iterator[CheckpointInputOffloader]:
+    """Run with another offloader (tests, benchmarks); the patch must be installed (apply()) for it to act."""
+    previous = _active["offloader"]
+    _active["offloader"] = offloader
+    try:
+        yield offloader
+    finally:
+        _active["offloader"] = previous
+
+
+def _make_offloading_generator(original):
+    def _checkpoint_without_reentrant_generator(fn, *args, **kwargs):
+        offloader = _active["offloader"]
+        if offloader is None or not offloader.wants_hooks():
+            return (yield from original(fn, *args, **kwargs))
+        with offloader.hooks():
+            return (yield from original(fn, *args, **kwargs))
+
+    _checkpoint_without_reentrant_generator.__doc__ = original.__doc__
+    return _checkpoint_without_reentrant_generator
+
+
+class _Uninstall:
+    """A registry handle: revert() forgets the offloader (and its pinned buffers) with the patch."""
+
+    def remove(self) -> None:
+        _active["offloader"] = None
+
+
+def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None) -> list[str]:
+    if explicit and not torch.cuda.is_available():
+        logger.warning("ddp_patches: offload=True, but this host has no CUDA device: checkpoint inputs already "
+                       "live in host memory, so offload stays inert (nothing is pinned)")
+    REGISTRY.install(torch_checkpoint, "_checkpoint_without_reentrant_generator", _make_offloading_generator)
+    _active["offloader"] = CheckpointInputOffloader(
+        min_bytes=min_bytes, max_pinned_bytes=max_pinned_bytes, explicit=explicit
+    )
+    REGISTRY.add_handle(_Uninstall())
+    return [TARGET]
+
+
+def stats() -> OffloadStats | None:
+    """The last completed micro-step's offload accounting (None before the first one or when not applied)."""
+    offloader = _active["offloader"]
+    return None if offloader is None else offloader.last_step
