@@ -36,6 +36,30 @@ def _lm(family, ckpt_kwargs, accum=1, qlora=False, **ddp_kwargs):
     return run
 
 
+def _offload_stack(accum=2, **ddp_kwargs):
+    """A reentrant 4-block stack with offload forced through the CPU path; patched, inputs must really move."""
+
+    def run():
+        import torch
+
+        import ddp_patches
+        from ddp_patches import offload
+
+        from .parity import run_parity
+        from .raw_models import CheckpointStack, raw_batch
+
+        forced = offload.CheckpointInputOffloader(should_offload=lambda t: True, min_bytes=0)
+        with offload.use_offloader(forced):
+            result = run_parity(lambda: CheckpointStack(use_reentrant=True).double(), raw_batch, torch.cat,
+                                lambda m, x: m(x[:, :-1]).pow(2).mean(), ddp_kwargs=ddp_kwargs, accum=accum).as_dict()
+        result["offloaded_per_micro_step"] = forced.stats.offloaded_tensors
+        if ddp_patches.is_applied() and forced.stats.offloaded_tensors == 0:
+            raise AssertionError("offload was applied but moved no checkpoint input")
+        return result
+
+    return run
+
+
 def _trainer(kind, **kwargs):
     def run():
         from .trainer_runs import train
@@ -56,6 +80,8 @@ SCENARIOS = [
              _raw("unused_on_some_ranks", True)),
     Scenario("raw-dynamic-graph", "parameters alternate used/unused, reentrant, defaults",
              _raw("dynamic", True)),
+    Scenario("raw-offload-stack", "4 reentrant checkpointed blocks, find_unused=True, accum 2, offload forced on",
+             _offload_stack(find_unused_parameters=True)),
     Scenario("llama-lora-trainer-ddp", "Llama LoRA, reentrant, find_unused=True (Trainer's PeftModel choice)",
              _lm("llama", {"use_reentrant": True}, find_unused_parameters=True)),
     Scenario("qwen2-lora-static-accum", "Qwen2 LoRA, {} kwargs (torch default: reentrant), static graph, accum 2",
