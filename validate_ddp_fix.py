@@ -79,7 +79,7 @@ def worker(name: str, patched: bool, out: str) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     scenario = BY_NAME[name]
     if patched:
-        ddp_patches.apply()
+        ddp_patches.apply(**scenario.apply_kwargs)
     dist.init_process_group("gloo")
     try:
         result = scenario.run()

@@ -10,6 +10,7 @@ from typing import Iterator
 from . import checkpointing as _checkpointing_patch
 from . import offload as _offload_patch
 from . import reducer as _reducer_patch
+from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from ._registry import REGISTRY
 from .distributed import reset_log_once
@@ -21,17 +22,13 @@ _OFFLOAD_CHOICES = ("auto", True, False)
 
 @dataclass(frozen=True)
 class ApplyReport:
-    """What apply() installed, and what was asked for but is not available in this version."""
+    """What apply() installed, and the options it was called with."""
 
     installed: tuple[str, ...]
-    not_available: tuple[str, ...] = ()
     options: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = ["ddp_patches installed: " + (", ".join(self.installed) or "nothing")]
-        if self.not_available:
-            lines.append("not available yet: " + ", ".join(self.not_available))
-        return "\n".join(lines)
+        return "ddp_patches installed: " + (", ".join(self.installed) or "nothing")
 
 
 _state: dict[str, ApplyReport | None] = {"report": None}
@@ -64,8 +61,11 @@ def apply(
         offload_min_bytes: tensors smaller than this stay on the device (default 1 MiB).
         offload_max_pinned_bytes: per-rank cap of pinned host memory for offload (default: a quarter of
             physical RAM divided by LOCAL_WORLD_SIZE); beyond it tensors stay on the device.
-        tiled_mlp: sequence-tiled MLP with a DDP-safe backward. Not available yet in this version.
-        tiled_mlp_shard_tokens: tokens per MLP shard (None: automatic). Used with ``tiled_mlp``.
+        tiled_mlp: under DDP, run the gate/up/down MLP of Llama, Mistral, Qwen2/3, Gemma2/3 and the text towers
+            of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma3, Llava, Idefics3/SmolVLM tiled along the tokens, with a
+            backward that fires each DDP hook once (see NOTE in ddp_patches/tiled_mlp.py).
+        tiled_mlp_shard_tokens: at most this many tokens per MLP shard; None: ceil(tokens / hidden_size)
+            shards. Used with ``tiled_mlp``.
     """
     options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
     options.update(_validate_offload_sizes(offload_min_bytes, offload_max_pinned_bytes))
@@ -83,6 +83,8 @@ def apply(
             installed += _checkpointing_patch.install()
         if options["reducer"]:
             installed += _reducer_patch.install()
+        if options["tiled_mlp"]:
+            installed += _tiled_mlp_patch.install(shard_tokens=options["tiled_mlp_shard_tokens"])
         if options["offload"] is not False:
             installed += _offload_patch.install(
                 explicit=options["offload"] is True,
@@ -92,7 +94,8 @@ def apply(
     except BaseException:
         REGISTRY.restore_all()  # all or nothing
         raise
-    report = ApplyReport(tuple(installed), _not_available(options), options)
+    _warn_ignored(options)
+    report = ApplyReport(tuple(installed), options)
     _state["report"] = report
     logger.info("%s", report)
     return report
@@ -160,11 +163,7 @@ def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:
     return {"offload_min_bytes": min_bytes, "offload_max_pinned_bytes": max_pinned_bytes}
 
 
-def _not_available(options: dict) -> tuple[str, ...]:
-    missing = []
-    if options["tiled_mlp"] or options["tiled_mlp_shard_tokens"] is not None:
-        logger.warning("ddp_patches: tiled_mlp was asked for but the tiled MLP is not available in this version; "
-                       "MLPs run untiled")
-        missing.append("tiled_mlp")
-    return tuple(missing)
-
+def _warn_ignored(options: dict) -> None:
+    if options["tiled_mlp_shard_tokens"] is not None and not options["tiled_mlp"]:
+        logger.warning("ddp_patches: tiled_mlp_shard_tokens=%d is ignored because tiled_mlp=False; pass "
+                       "tiled_mlp=True to tile the MLPs", options["tiled_mlp_shard_tokens"])

@@ -79,18 +79,17 @@ def test_bad_values_say_what_was_expected(kwargs, error, match):
     assert not ddp_patches.is_applied()
 
 
-def test_not_yet_available_features_warn(caplog):
+def test_shard_tokens_without_tiled_mlp_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="ddp_patches"):
-        report = ddp_patches.apply(tiled_mlp=True)
-    assert report.not_available == ("tiled_mlp",)
-    assert "not available in this version" in caplog.text
+        report = ddp_patches.apply(tiled_mlp_shard_tokens=64)
+    assert not [name for name in report.installed if "MLP" in name]
+    assert "ignored because tiled_mlp=False" in caplog.text
 
 
 def test_offload_true_on_a_cpu_host_says_why_it_is_inert(caplog):
     with caplog.at_level(logging.WARNING, logger="ddp_patches"):
         report = ddp_patches.apply(offload=True)
     assert "torch.utils.checkpoint._checkpoint_without_reentrant_generator" in report.installed
-    assert report.not_available == ()
     assert "no CUDA device" in caplog.text and "inert" in caplog.text
 
 

@@ -121,7 +121,7 @@ def lm_loss(model, batch: dict) -> torch.Tensor:
 
 
 def lm_parity(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, ddp_kwargs: dict | None = None,
-              accum: int = 1, iters: int = 2):
+              accum: int = 1, iters: int = 2, reference_context=contextlib.nullcontext):
     from .parity import run_parity
 
     return run_parity(
@@ -133,6 +133,7 @@ def lm_parity(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, ddp_
         accum=accum,
         iters=iters,
         lr=0.5,
+        reference_context=reference_context,
     )
 
 

@@ -52,11 +52,13 @@ def run_parity(
     accum: int = 1,
     lr: float = 0.05,
     seed: int = 1234,
+    reference_context: Callable[[], Any] = contextlib.nullcontext,
 ) -> ParityResult:
     """Train ``iters`` optimizer steps under DDP and on a local full-batch replica; compare every step.
 
     ``make_batch(rank, iteration, micro_step)`` must be deterministic; ``combine`` concatenates the ranks'
     batches into the global one; ``loss_fn`` must be a mean over the batch (DDP averages over ranks).
+    ``reference_context`` wraps the reference's forward and backward (e.g. ``tiled_mlp.untiled``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
@@ -74,7 +76,8 @@ def run_parity(
                 loss = loss_fn(ddp, make_batch(rank, it, micro)) / accum
                 loss.backward()
             global_batch = combine([make_batch(r, it, micro) for r in range(world)])
-            (loss_fn(reference, global_batch) / accum).backward()
+            with reference_context():
+                (loss_fn(reference, global_batch) / accum).backward()
             result.losses.append(float(loss.detach()))
         for (name, p), (_, q) in zip(ddp.module.named_parameters(), reference.named_parameters()):
             if p.requires_grad:

@@ -6,7 +6,7 @@ it has a full-batch reference, the gradient error is within its tolerance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -16,6 +16,7 @@ class Scenario:
     description: str
     run: Callable[[], dict]
     tolerance: float | None = 1e-9  # None: no gradient reference (trainer runs)
+    apply_kwargs: dict = field(default_factory=dict)  # options of the patched side's apply()
 
 
 def _raw(module, use_reentrant, accum=1, **ddp_kwargs):
@@ -60,6 +61,24 @@ def _offload_stack(accum=2, **ddp_kwargs):
     return run
 
 
+def _tiled_lm(family, ckpt_kwargs, accum=1, **ddp_kwargs):
+    """LoRA LM whose MLPs run tiled when patched; the reference replica runs them untiled."""
+
+    def run():
+        from ddp_patches import is_applied, tiled_mlp
+
+        from .hf_models import lm_parity
+
+        result = lm_parity(family, ckpt_kwargs, ddp_kwargs=ddp_kwargs, accum=accum,
+                           reference_context=tiled_mlp.untiled).as_dict()
+        result["tiled_mlp_calls"] = tiled_mlp.counts()["tiled_calls"]
+        if is_applied() and result["tiled_mlp_calls"] == 0:
+            raise AssertionError("tiled_mlp was applied but no MLP ran tiled")
+        return result
+
+    return run
+
+
 def _trainer(kind, **kwargs):
     def run():
         from .trainer_runs import train
@@ -82,6 +101,9 @@ SCENARIOS = [
              _raw("dynamic", True)),
     Scenario("raw-offload-stack", "4 reentrant checkpointed blocks, find_unused=True, accum 2, offload forced on",
              _offload_stack(find_unused_parameters=True)),
+    Scenario("llama-lora-tiled-mlp", "Llama LoRA, reentrant, find_unused=True, MLP tiled in 5-token shards",
+             _tiled_lm("llama", {"use_reentrant": True}, find_unused_parameters=True),
+             apply_kwargs={"tiled_mlp": True, "tiled_mlp_shard_tokens": 5}),
     Scenario("llama-lora-trainer-ddp", "Llama LoRA, reentrant, find_unused=True (Trainer's PeftModel choice)",
              _lm("llama", {"use_reentrant": True}, find_unused_parameters=True)),
     Scenario("qwen2-lora-static-accum", "Qwen2 LoRA, {} kwargs (torch default: reentrant), static graph, accum 2",

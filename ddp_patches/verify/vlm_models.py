@@ -90,3 +90,32 @@ class ExampleList(torch.utils.data.Dataset):
 
 def qwen2_vl_dataset(n: int = 16) -> ExampleList:
     return ExampleList([qwen2_vl_example(i) for i in range(n)])
+
+
+def qwen2_vl_batch(rank: int, it: int, micro: int, rows: int = 2) -> dict:
+    """Each rank's micro-batch: ``rows`` image+text examples (same length everywhere, so loss means agree)."""
+    return collate_qwen2_vl([qwen2_vl_example(100_000 * rank + 1000 * it + 10 * micro + i) for i in range(rows)])
+
+
+def combine_qwen2_vl(batches: list[dict]) -> dict:
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
+def qwen2_vl_parity(ckpt_kwargs: Any = None, *, lora_on_vision: bool = False, ddp_kwargs: dict | None = None,
+                    accum: int = 1, iters: int = 2, reference_context=None):
+    import contextlib
+
+    from .hf_models import lm_loss
+    from .parity import run_parity
+
+    return run_parity(
+        lambda: build_qwen2_vl_lora(ckpt_kwargs, lora_on_vision=lora_on_vision, dtype=torch.float64),
+        lambda r, i, m: {k: (v.double() if v.is_floating_point() else v) for k, v in qwen2_vl_batch(r, i, m).items()},
+        combine_qwen2_vl,
+        lm_loss,
+        ddp_kwargs=ddp_kwargs,
+        accum=accum,
+        iters=iters,
+        lr=0.5,
+        reference_context=reference_context or contextlib.nullcontext,
+    )

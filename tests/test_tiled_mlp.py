@@ -1,0 +1,197 @@
+"""Tiled MLP: gradient parity with the untiled model on 2 ranks fed different data (and different lengths),
+each DDP hook firing once per step, dropout replay, every family's MLP class, QLoRA and full HF models."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ddp_patches
+from ddp_patches import tiled_mlp
+from ddp_patches.verify import mlp_models
+
+SHARD = 4  # tokens per shard: 2 rows x 7..12 tokens -> 4 to 6 shards, varying between ranks and steps
+
+
+def stack_case(**kwargs) -> dict:
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
+        result = mlp_models.stack_parity(**kwargs).as_dict()
+        result["counts"] = tiled_mlp.counts()
+    return result
+
+
+MODES = {
+    "defaults": {},
+    "find-unused": {"ddp_kwargs": {"find_unused_parameters": True}},
+    "static": {"ddp_kwargs": {"static_graph": True}},
+    "static-accum": {"ddp_kwargs": {"static_graph": True}, "accum": 2},
+    "find-unused-accum-bucket-view": {"ddp_kwargs": {"find_unused_parameters": True,
+                                                     "gradient_as_bucket_view": True}, "accum": 2},
+    "explicit-find-unused-false-accum": {"ddp_kwargs": {"find_unused_parameters": False}, "accum": 2},
+    "in-reentrant-checkpoint": {"checkpointed": True, "ddp_kwargs": {"find_unused_parameters": True}},
+    "in-checkpoint-static-accum": {"checkpointed": False, "ddp_kwargs": {"static_graph": True}, "accum": 2},
+    "dora": {"adapter": "dora", "ddp_kwargs": {"find_unused_parameters": True}},
+    "full-finetune": {"adapter": "full", "ddp_kwargs": {"static_graph": True}},
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_parity_across_ddp_modes(pool, mode):
+    results = pool.run(stack_case, **MODES[mode])
+    for r in results:
+        assert r["max_rel_error"] <= 1e-9, r
+        assert r["ranks_in_sync"]
+        assert r["counts"]["tiled_calls"] > 0
+    # the ranks ran different shard counts (different sequence lengths), which static_graph must tolerate
+    assert results[0]["counts"]["shards"] != results[1]["counts"]["shards"]
+
+
+def test_bf16_autocast_parity(pool):
+    for r in pool.run(stack_case, dtype=torch.float32, autocast=True):
+        assert r["max_rel_error"] <= 2e-2 and r["ranks_in_sync"]  # bf16 rounding; fp64 cases hold 1e-9
+
+
+@pytest.mark.parametrize("family", list(mlp_models.MLP_CLASSES))
+def test_each_family_mlp_class_tiles_with_parity(pool, family):
+    for r in pool.run(stack_case, name=family, ddp_kwargs={"find_unused_parameters": True}):
+        assert r["max_rel_error"] <= 1e-9 and r["ranks_in_sync"] and r["counts"]["tiled_calls"] > 0
+
+
+def hook_count_case(accum: int) -> dict:
+    """Count AccumulateGrad executions (where DDP's hook sits) per parameter per optimizer step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
+        model = DDP(mlp_models.build_stack("llama", adapter="lora"))
+        fired: dict[str, int] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                fired[name] = 0
+                p.register_post_accumulate_grad_hook(lambda _p, n=name: fired.__setitem__(n, fired[n] + 1))
+        rank = torch.distributed.get_rank()
+        for micro in range(accum):
+            ctx = model.no_sync() if micro < accum - 1 else torch.enable_grad()
+            with ctx:
+                mlp_models.stack_loss(model, mlp_models.stack_batch(rank, 0, micro)).backward()
+        return {"fired": fired, "shards": tiled_mlp.counts()["shards"]}
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_each_ddp_hook_fires_once_per_backward(pool, accum):
+    for r in pool.run(hook_count_case, accum=accum):
+        assert r["shards"] >= 4 * accum
+        assert r["fired"] and set(r["fired"].values()) == {accum}, r["fired"]
+
+
+def dropout_case() -> dict:
+    """LoRA dropout 0.3: the tiled backward must use the masks its forward drew (checked against running the
+    same shards one after another with autograd, from the same RNG state); a wrong replay would not match."""
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
+        model = mlp_models.build_stack("llama", adapter="lora", dropout=0.3)
+        x = mlp_models.stack_batch(torch.distributed.get_rank(), 0, 0)
+        mlp = model.base_model.model.mlps[0]
+
+        def grads(fn):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(5)
+            fn().pow(2).sum().backward()
+            return [p.grad.clone() for p in mlp.parameters() if p.requires_grad]
+
+        tiled = grads(lambda: mlp(x))
+        rows = x.reshape(-1, x.shape[-1])
+        sizes = tiled_mlp.shard_sizes(rows.shape[0], x.shape[-1], SHARD)
+        with tiled_mlp.untiled():
+            by_shard = grads(lambda: torch.cat([mlp(s) for s in rows.split(sizes)]))
+            whole = grads(lambda: mlp(x))
+    return {
+        "equal_to_shard_by_shard": all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(tiled, by_shard)),
+        "dropout_active": not all(torch.allclose(a, b) for a, b in zip(tiled, whole)),
+    }
+
+
+def test_dropout_masks_are_replayed(pool):
+    for r in pool.run(dropout_case):
+        assert r["equal_to_shard_by_shard"]
+        assert r["dropout_active"]
+
+
+def lm_case(family: str, qlora: bool, ddp_kwargs: dict, accum: int, ckpt_kwargs) -> dict:
+    from ddp_patches.verify.hf_models import lm_parity
+
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5):
+        result = lm_parity(family, ckpt_kwargs, qlora=qlora, ddp_kwargs=ddp_kwargs, accum=accum,
+                           reference_context=tiled_mlp.untiled).as_dict()
+        result["counts"] = tiled_mlp.counts()
+    return result
+
+
+@pytest.mark.parametrize("family,qlora,ddp_kwargs,accum,ckpt_kwargs,tol", [
+    ("llama", False, {"find_unused_parameters": True}, 1, {"use_reentrant": True}, 1e-9),
+    ("qwen2", False, {"static_graph": True}, 2, None, 1e-9),
+    ("llama", True, {"find_unused_parameters": True}, 1, None, 1e-4),
+], ids=["llama-lora-reentrant-find-unused", "qwen2-lora-static-accum", "llama-qlora"])
+def test_hf_lm_parity(pool, family, qlora, ddp_kwargs, accum, ckpt_kwargs, tol):
+    for r in pool.run(lm_case, family=family, qlora=qlora, ddp_kwargs=ddp_kwargs, accum=accum,
+                      ckpt_kwargs=ckpt_kwargs):
+        assert r["max_rel_error"] <= tol and r["ranks_in_sync"] and r["counts"]["tiled_calls"] > 0
+
+
+def test_single_process_is_untouched():
+    model = mlp_models.build_stack("llama")
+    x = mlp_models.stack_batch(0, 0, 0)
+    mlp_models.stack_loss(model, x).backward()
+    expected = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
+        mlp_models.stack_loss(model, x).backward()
+        assert tiled_mlp.counts()["tiled_calls"] == 0
+    assert all(torch.equal(a, p.grad) for a, p in zip(expected, [p for p in model.parameters() if p.requires_grad]))
+
+
+def test_shard_sizes_rule():
+    assert tiled_mlp.shard_sizes(10, 16, None) == [10]  # fewer tokens than hidden: one shard, no tiling
+    assert tiled_mlp.shard_sizes(8192, 1024, None) == [1024] * 8  # ceil(tokens / hidden) shards
+    assert tiled_mlp.shard_sizes(10, 16, 4) == [4, 3, 3]  # at most 4 per shard, evenly spread
+
+
+def test_revert_restores_every_mlp_forward():
+    before = {name: vars(mlp_models.mlp_class(name))["forward"] for name in mlp_models.MLP_CLASSES}
+    report = ddp_patches.apply(tiled_mlp=True)
+    assert sum("MLP.forward" in name or "Mlp.forward" in name for name in report.installed) == 10
+    for name in mlp_models.MLP_CLASSES:
+        assert vars(mlp_models.mlp_class(name))["forward"].__wrapped__ is before[name]
+    ddp_patches.revert()
+    assert all(vars(mlp_models.mlp_class(name))["forward"] is before[name] for name in mlp_models.MLP_CLASSES)
+
+
+def test_state_dict_keys_unchanged():
+    model = mlp_models.build_stack("qwen2")
+    keys = list(model.state_dict())
+    ddp_patches.apply(tiled_mlp=True)
+    assert list(mlp_models.build_stack("qwen2").state_dict()) == keys
+
+
+def test_missing_family_is_logged_not_fatal(monkeypatch, caplog):
+    monkeypatch.setattr(tiled_mlp, "TARGETS", tiled_mlp.TARGETS + (("Imaginary", "transformers.models.nope", ("X",)),))
+    with caplog.at_level(logging.INFO, logger="ddp_patches"):
+        ddp_patches.apply(tiled_mlp=True)
+    assert "skips families this transformers lacks: Imaginary" in caplog.text
+
+
+def vlm_case(lora_on_vision: bool) -> dict:
+    from ddp_patches.verify.vlm_models import qwen2_vl_parity
+
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5):
+        result = qwen2_vl_parity({"use_reentrant": True}, lora_on_vision=lora_on_vision,
+                                 reference_context=tiled_mlp.untiled).as_dict()
+        result["counts"] = tiled_mlp.counts()
+    return result
+
+
+@pytest.mark.parametrize("lora_on_vision", [False, True], ids=["lora-text", "lora-text-and-vision"])
+def test_qwen2_vl_parity_with_tiled_text_mlp(pool, lora_on_vision):
+    """The text tower's Qwen2MLP tiles; the vision tower's fc1/fc2 VisionMlp is another shape and is left alone."""
+    for r in pool.run(vlm_case, lora_on_vision=lora_on_vision):
+        assert r["max_rel_error"] <= 1e-9 and r["ranks_in_sync"] and r["counts"]["tiled_calls"] > 0
