@@ -242,6 +242,8 @@ class CheckpointInputOffloader:
                 h.host.copy_(h.source, non_blocking=True)
                 h.copied = torch.cuda.Event()
                 h.copied.record(stream)
+            # Should autograd drop the handle before _reap() sees the event, the allocator still waits for it.
+            h.source.record_stream(stream)
             self._copying.append(weakref.ref(h))
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += h.nbytes
@@ -294,6 +296,7 @@ class CheckpointInputOffloader:
             out.copy_(h.host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
+        out.record_stream(stream)  # a prefetch never consumed must not free memory the copy still writes
         return out, event
 
     def _prefetch_before(self, index: int) -> None:
