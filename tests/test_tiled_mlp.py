@@ -181,10 +181,10 @@ def test_missing_family_is_logged_not_fatal(monkeypatch, caplog):
 
 
 def vlm_case(lora_on_vision: bool) -> dict:
-    from ddp_patches.verify.vlm_models import qwen2_vl_parity
+    from ddp_patches.verify.vlm_models import vlm_parity
 
     with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5):
-        result = qwen2_vl_parity({"use_reentrant": True}, lora_on_vision=lora_on_vision,
+        result = vlm_parity("qwen2_vl", {"use_reentrant": True}, lora_on_vision=lora_on_vision,
                                  reference_context=tiled_mlp.untiled).as_dict()
         result["counts"] = tiled_mlp.counts()
     return result

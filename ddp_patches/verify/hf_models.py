@@ -38,15 +38,18 @@ def build_causal_lm(family: str, *, dtype: torch.dtype = torch.float64, qlora: b
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(tiny_config(family, layers), attn_implementation="eager").to(dtype)
-    if not qlora:
-        return model
+    return reload_4bit(model, AutoModelForCausalLM) if qlora else model
+
+
+def reload_4bit(model, cls):
+    """Save ``model`` and load it back through bitsandbytes 4-bit (nf4, fp32 compute): a QLoRA base."""
     from transformers import BitsAndBytesConfig
 
     with _shared_tmpdir() as tmp:
         # Under a process group transformers writes on rank 0 only; every rank then loads the same files.
         model.save_pretrained(tmp)
         _barrier()
-        loaded = AutoModelForCausalLM.from_pretrained(
+        loaded = cls.from_pretrained(
             tmp,
             quantization_config=BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32

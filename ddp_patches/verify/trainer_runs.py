@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 
 import torch
 import torch.distributed as dist
 
+from . import vlm_models
 from .hf_models import build_lora_model, lm_dataset, word_level_tokenizer
 from .parity import params_equal_across_ranks
 
@@ -23,6 +25,8 @@ def train(
     steps: int = 3,
     qlora: bool = False,
     layers: int = 2,
+    lora_on_vision: bool = False,
+    text_only_rank: int | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps; return final loss, whether it is finite, and LoRA equality across ranks.
 
@@ -34,12 +38,13 @@ def train(
 
     torch.manual_seed(0)
     extra: dict = {}
-    if family == "qwen2_vl":
-        from .vlm_models import build_qwen2_vl_lora, collate_qwen2_vl, qwen2_vl_dataset
-
-        model = build_qwen2_vl_lora(ckpt_kwargs)
-        dataset = qwen2_vl_dataset()
-        extra = {"data_collator": collate_qwen2_vl}
+    vlm = family in vlm_models.SPECS
+    if vlm:
+        model = vlm_models.build_vlm(family, ckpt_kwargs, lora_on_vision=lora_on_vision, qlora=qlora)
+        # The process group may not exist yet (TrainingArguments creates it): the rank comes from torchrun's env.
+        text_only = text_only_rank is not None and int(os.environ.get("RANK", "0")) == text_only_rank
+        dataset = vlm_models.vlm_dataset(family, images=not text_only)
+        extra = {"data_collator": vlm_models.make_collate(family)}
     else:
         model = build_lora_model(family, ckpt_kwargs, qlora=qlora, dtype=torch.float32, layers=layers)
         dataset = lm_dataset()
@@ -61,7 +66,7 @@ def train(
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
-        remove_unused_columns=family != "qwen2_vl",
+        remove_unused_columns=not vlm,
     )
     with tempfile.TemporaryDirectory(prefix="ddp_patches_train_") as out:
         if kind == "trainer":
@@ -70,7 +75,8 @@ def train(
         elif kind == "sft":
             from trl import SFTConfig, SFTTrainer
 
-            args = SFTConfig(output_dir=out, **common, max_length=None, packing=False)
+            sft_extra = {"dataset_kwargs": {"skip_prepare_dataset": True}} if vlm else {}
+            args = SFTConfig(output_dir=out, **common, max_length=None, packing=False, **sft_extra)
             trainer = SFTTrainer(
                 model=model, args=args, train_dataset=dataset, processing_class=word_level_tokenizer(), **extra
             )
