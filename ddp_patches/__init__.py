@@ -8,6 +8,7 @@ Importing this package changes nothing; apply() installs the patches and revert(
 
 from .api import ApplyReport, apply, is_applied, patched, revert
 from .distributed import is_distributed
+from .doctor import Diagnosis, Finding, diagnose
 from .offload import OffloadStats
 from .offload import stats as offload_stats
 from .reducer import TrainableParametersChangedError
@@ -17,10 +18,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ApplyReport",
+    "Diagnosis",
+    "Finding",
     "OffloadStats",
     "TrainableParametersChangedError",
     "UnsupportedVersionError",
     "apply",
+    "diagnose",
     "is_applied",
     "is_distributed",
     "offload_stats",

@@ -1,0 +1,221 @@
+"""``python -m ddp_patches doctor``: what would fail under DDP, why, and what to do -- before a run is launched.
+
+``diagnose(model, args)`` looks at a model (PEFT or not) and its TrainingArguments/SFTConfig; the command line
+looks at the environment only. Each finding names the setting, the error it leads to under DDP and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from . import api, versions
+
+_PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes")
+_TOWER = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|image_encoder)(\.|$)")
+
+MRO = "Expected to mark a variable ready only once ... marked as ready twice"
+EAH = "expect_autograd_hooks_ INTERNAL ASSERT FAILED (reducer.cpp)"
+UNFINISHED = ("Expected to have finished reduction in the prior iteration before starting a new one "
+              "(a hang with NCCL)")
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    severity: str  # "error": the run fails under DDP without a fix; "warning": it misbehaves; "info"
+    setting: str
+    failure: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] {self.code}: {self.setting}\n    fails with: {self.failure}\n    fix: {self.fix}"
+
+
+@dataclass
+class Diagnosis:
+    versions: dict
+    world_size: int
+    backend: str
+    applied: bool
+    would_change: list[str]
+    findings: list[Finding] = field(default_factory=list)
+
+    def codes(self) -> list[str]:
+        return [f.code for f in self.findings]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = ["ddp_patches doctor", "versions: " + ", ".join(f"{k} {v or 'not installed'}"
+                                                                for k, v in self.versions.items()),
+                 f"world size {self.world_size}, backend {self.backend}, ddp_patches applied: {self.applied}",
+                 "apply() would change (each only while world size > 1):"]
+        lines += [f"  - {c}" for c in self.would_change]
+        lines.append(f"findings: {len(self.findings) or 'none'}")
+        lines += [str(f) for f in self.findings]
+        return "\n".join(lines)
+
+
+def installed_versions() -> dict:
+    found = {}
+    for name in _PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def would_change(tiled_mlp: bool = False) -> list[str]:
+    changes = [
+        "torch.utils.checkpoint.CheckpointFunction: reentrant checkpoints run as use_reentrant=False",
+        "DistributedDataParallel.__init__: find_unused_parameters=True unless passed explicitly or static_graph",
+        "DistributedDataParallel.no_sync: the first static-graph backward is synchronised",
+        "each DDP forward: raises if the trainable parameter set changed after wrapping",
+        "non-reentrant checkpoints: inputs offloaded to pinned host memory (CUDA only; offload='auto')",
+    ]
+    if tiled_mlp:
+        changes.append("gate/up/down MLPs of the supported families: tiled along the tokens")
+    return changes
+
+
+def diagnose(model: Any = None, args: Any = None, *, tiled_mlp: bool = False) -> Diagnosis:
+    """Findings for ``model`` (optional) trained with ``args`` (TrainingArguments/SFTConfig, optional)."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    found = installed_versions()
+    d = Diagnosis(found, world, "nccl" if torch.cuda.is_available() else "gloo", api.is_applied(),
+                  would_change(tiled_mlp))
+    d.findings += _version_findings(found)
+    d.findings += _launch_findings(world, args)
+    d.findings += _checkpoint_findings(model, args)
+    d.findings += _reducer_findings(model, args)
+    return d
+
+
+def _version_findings(found: dict) -> list[Finding]:
+    try:
+        versions.check({"torch": found["torch"], "transformers": found["transformers"]})
+    except versions.UnsupportedVersionError as e:
+        return [Finding("unsupported-version", "error", "library versions", str(e), "upgrade as the message says")]
+    return []
+
+
+def _launch_findings(world: int, args: Any) -> list[Finding]:
+    found = []
+    if world > 1 and args is not None and not torch.cuda.is_available() and not getattr(args, "use_cpu", False):
+        found.append(Finding(
+            "cpu-launch-without-use-cpu", "error", f"torchrun with {world} processes on a host without CUDA, "
+            "use_cpu=False", "no error: every rank silently trains alone, no gradient is synchronised",
+            "pass use_cpu=True in TrainingArguments/SFTConfig (DDP over gloo)"))
+    if world > 1 and not api.is_applied():
+        found.append(Finding(
+            "not-applied", "warning", "distributed launch without ddp_patches.apply()",
+            "the errors below, depending on the settings", "call ddp_patches.apply() before building the Trainer"))
+    return found
+
+
+def _checkpoint_findings(model: Any, args: Any) -> list[Finding]:
+    found = []
+    reentrant = _uses_reentrant(model, args)
+    find_unused = _find_unused(model, args)
+    if reentrant and find_unused is not False:
+        why = "ddp_find_unused_parameters unset -> True for a PeftModel" if find_unused is None else \
+            "ddp_find_unused_parameters=True"
+        found.append(Finding(
+            "reentrant-find-unused", "error", f"reentrant activation checkpointing with {why}", MRO,
+            "ddp_patches.apply() (runs reentrant checkpoints as non-reentrant under DDP), or "
+            "gradient_checkpointing_kwargs={'use_reentrant': False}"))
+    elif reentrant:
+        found.append(Finding(
+            "reentrant-checkpoint", "warning", "reentrant activation checkpointing (use_reentrant=True or {} kwargs)",
+            MRO + " for a layer or weight used in two checkpointed regions; no LoRA gradients for a region whose "
+            "input does not require grad", "ddp_patches.apply(), or use_reentrant=False"))
+    if model is not None and _transformers_offload(model) and not torch.cuda.is_available():
+        found.append(Finding(
+            "transformers-offload-on-cpu-host", "error", "activation_checkpointing_enable(offload=True) on a host "
+            "without CUDA", "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend",
+            "drop offload=True; ddp_patches.apply() offloads checkpoint inputs itself where a GPU exists"))
+    return found
+
+
+def _reducer_findings(model: Any, args: Any) -> list[Finding]:
+    found = []
+    if args is None:
+        return found
+    static = bool(getattr(args, "ddp_static_graph", False))
+    accum = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    if static and accum > 1:
+        found.append(Finding(
+            "static-graph-accumulation", "error", f"ddp_static_graph=True with gradient_accumulation_steps={accum}",
+            EAH, "ddp_patches.apply() (synchronises the first backward), or drop ddp_static_graph"))
+    tower = _trainable_tower_parameters(model)
+    if tower and getattr(args, "ddp_find_unused_parameters", None) is False and not static:
+        found.append(Finding(
+            "tower-lora-find-unused-false", "error", f"{len(tower)} trainable vision-tower parameters (e.g. "
+            f"{tower[0]}) with ddp_find_unused_parameters=False: a text-only batch leaves them without gradient",
+            UNFINISHED, "leave ddp_find_unused_parameters unset with ddp_patches.apply() (it picks True), set it "
+            "True, or use ddp_static_graph=True"))
+    if getattr(args, "ddp_find_unused_parameters", None) is False and api.is_applied():
+        found.append(Finding(
+            "explicit-find-unused-false-lost", "info", "ddp_find_unused_parameters=False with apply()",
+            "none; accelerate does not pass default values on, so DDP sees it as unset and apply() picks True "
+            "(one extra graph traversal per step)", "apply(reducer=False) keeps DDP's own default"))
+    return found
+
+
+def _gradient_checkpointing_funcs(model: Any) -> list:
+    if model is None:
+        return []
+    return [m._gradient_checkpointing_func for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+
+
+def _uses_reentrant(model: Any, args: Any) -> bool:
+    """Reentrant when the layers' checkpoint partial says so, or the training args will enable it that way."""
+    for func in _gradient_checkpointing_funcs(model):
+        keywords = getattr(func, "keywords", {}) or {}
+        if keywords.get("use_reentrant", True):  # torch's default (no keyword) is reentrant
+            return True
+    if args is not None and getattr(args, "gradient_checkpointing", False):
+        kwargs = getattr(args, "gradient_checkpointing_kwargs", None)
+        if kwargs is not None and kwargs.get("use_reentrant", True):
+            return True
+    return False
+
+
+def _transformers_offload(model: Any) -> bool:
+    for func in _gradient_checkpointing_funcs(model):
+        inner = getattr(func, "func", func)
+        if "save_on_cpu" in getattr(getattr(inner, "__code__", None), "co_names", ()):
+            return True
+    return False
+
+
+def _find_unused(model: Any, args: Any) -> bool | None:
+    """True/False as the Trainer will pass it; None when unset and the model is not a PreTrainedModel (the
+    Trainer then passes True); False when unset for a PreTrainedModel."""
+    if args is None:
+        return None
+    value = getattr(args, "ddp_find_unused_parameters", None)
+    if value is not None:
+        return value
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return False if isinstance(model, PreTrainedModel) else None
+
+
+def _trainable_tower_parameters(model: Any) -> list[str]:
+    if model is None:
+        return []
+    return [n for n, p in model.named_parameters() if p.requires_grad and _TOWER.search(n)]
