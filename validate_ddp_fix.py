@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 validate_ddp_fix.py            # CPU, gloo, tiny random-init models
     python validate_ddp_fix.py --scenarios raw-* --json out.json
+    torchrun --nproc_per_node=2 validate_ddp_fix.py --backend nccl --timeout 120   # 2 GPUs; a hang shows as one
 
 Each run happens in its own ``torchrun`` subprocess group with a timeout, so a crash or a hang of the
 unpatched code is recorded as an outcome instead of taking this script down. Exit status 0 iff every
@@ -39,15 +40,15 @@ def _first_error_line(text: str) -> str:
     return (lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else "failed")[:70]
 
 
-def run_one(name: str, patched: bool, nproc: int, timeout: float) -> dict:
+def run_one(name: str, patched: bool, nproc: int, timeout: float, backend: str = "gloo") -> dict:
     """Launch one scenario on ``nproc`` ranks; return {'status': pass|fail|error|hang, ...}."""
     with tempfile.TemporaryDirectory(prefix="ddp_validate_") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={_free_port()}", os.path.abspath(__file__),
-               "--worker", name, "--out", out] + (["--patched"] if patched else [])
+               "--worker", name, "--out", out, "--backend", backend] + (["--patched"] if patched else [])
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "DDP_PATCHES_DEVICE": "cuda" if backend == "nccl" else "cpu"}
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
             env.pop(var, None)  # the child group is its own torchrun job
@@ -65,7 +66,7 @@ def run_one(name: str, patched: bool, nproc: int, timeout: float) -> dict:
         return {"status": "error", "detail": _first_error_line(proc.stderr + proc.stdout), "seconds": seconds}
 
 
-def worker(name: str, patched: bool, out: str) -> int:
+def worker(name: str, patched: bool, out: str, backend: str = "gloo") -> int:
     """Inside one rank of a child torchrun job."""
     import logging
 
@@ -80,7 +81,11 @@ def worker(name: str, patched: bool, out: str) -> int:
     scenario = BY_NAME[name]
     if patched:
         ddp_patches.apply(**scenario.apply_kwargs)
-    dist.init_process_group("gloo")
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
     try:
         result = scenario.run()
         ok = passed(scenario, result)
@@ -105,13 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=None, help="ranks per scenario (default: WORLD_SIZE or 2)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a run counts as a hang")
     parser.add_argument("--skip-unpatched", action="store_true", help="only run the patched side")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="gloo on CPU (default) or nccl with one GPU per rank (CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--patched", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
-        return worker(args.worker, args.patched, args.out)
+        return worker(args.worker, args.patched, args.out, args.backend)
 
     from ddp_patches.verify.scenarios import SCENARIOS
 
@@ -129,14 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no scenario matches {args.scenarios!r}; see --list", file=sys.stderr)
         return 2
 
-    print(f"validate_ddp_fix: {len(chosen)} scenarios x (unpatched, patched) on {nproc} ranks (gloo, CPU)", flush=True)
+    if args.backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < nproc:
+            print(f"--backend nccl needs one GPU per rank: {nproc} ranks, {torch.cuda.device_count()} GPUs visible",
+                  file=sys.stderr)
+            return 2
+    where = "nccl, GPU" if args.backend == "nccl" else "gloo, CPU"
+    print(f"validate_ddp_fix: {len(chosen)} scenarios x (unpatched, patched) on {nproc} ranks ({where})", flush=True)
     rows = []
     for i, s in enumerate(chosen, 1):
         print(f"[{i}/{len(chosen)}] {s.name}: {s.description}", flush=True)
-        unpatched = {"status": "skipped"} if args.skip_unpatched else run_one(s.name, False, nproc, args.timeout)
+        unpatched = ({"status": "skipped"} if args.skip_unpatched
+                     else run_one(s.name, False, nproc, args.timeout, args.backend))
         if not args.skip_unpatched:
             print(f"    unpatched: {_fmt(unpatched)}", flush=True)
-        patched = run_one(s.name, True, nproc, args.timeout)
+        patched = run_one(s.name, True, nproc, args.timeout, args.backend)
         print(f"    patched:   {_fmt(patched)}", flush=True)
         rows.append({"scenario": s.name, "unpatched": unpatched, "patched": patched})
 
@@ -151,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\npatched: {ok} passed, {len(rows) - ok} failed; unpatched: {failing_before} of {len(rows)} failed")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"nproc": nproc, "backend": "gloo", "rows": rows}, f, indent=2)
+            json.dump({"nproc": nproc, "backend": args.backend, "rows": rows}, f, indent=2)
     return 0 if ok == len(rows) else 1
 
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .device import device, to_device
+
 Batch = Any
 
 
@@ -61,11 +63,13 @@ def run_parity(
     ``reference_context`` wraps the reference's forward and backward (e.g. ``tiled_mlp.untiled``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = device()
     torch.manual_seed(seed)
-    model = build()
+    model = build().to(dev)
     torch.manual_seed(seed)
-    reference = build()
-    ddp = DDP(model, **(ddp_kwargs or {}))
+    reference = build().to(dev)
+    placement = {"device_ids": [dev.index]} if dev.type == "cuda" else {}
+    ddp = DDP(model, **placement, **(ddp_kwargs or {}))
     opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=lr)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
     result = ParityResult()
@@ -73,9 +77,9 @@ def run_parity(
         for micro in range(accum):
             sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
             with sync:
-                loss = loss_fn(ddp, make_batch(rank, it, micro)) / accum
+                loss = loss_fn(ddp, to_device(make_batch(rank, it, micro), dev)) / accum
                 loss.backward()
-            global_batch = combine([make_batch(r, it, micro) for r in range(world)])
+            global_batch = to_device(combine([make_batch(r, it, micro) for r in range(world)]), dev)
             with reference_context():
                 (loss_fn(reference, global_batch) / accum).backward()
             result.losses.append(float(loss.detach()))
@@ -97,8 +101,9 @@ def run_parity(
 def params_equal_across_ranks(model: nn.Module) -> bool:
     """True when every trainable parameter is bit-identical to rank 0's."""
     flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters() if p.requires_grad])
+    same_device = flat.device  # NCCL needs CUDA tensors, gloo CPU ones: stay where the parameters are
     mine = flat.clone()
     dist.broadcast(flat, src=0)
-    same = torch.tensor([float(torch.equal(flat, mine))], dtype=torch.float64)
+    same = torch.tensor([float(torch.equal(flat, mine))], dtype=torch.float64, device=same_device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return bool(same.item() == 1.0)

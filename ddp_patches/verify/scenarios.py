@@ -79,6 +79,16 @@ def _tiled_lm(family, ckpt_kwargs, accum=1, **ddp_kwargs):
     return run
 
 
+def _vlm(family, ckpt_kwargs, accum=1, lora_on_vision=True, text_only_rank=1, **ddp_kwargs):
+    def run():
+        from .vlm_models import vlm_parity
+
+        return vlm_parity(family, ckpt_kwargs, lora_on_vision=lora_on_vision, ddp_kwargs=ddp_kwargs, accum=accum,
+                          text_only_rank=text_only_rank).as_dict()
+
+    return run
+
+
 def _trainer(kind, **kwargs):
     def run():
         from .trainer_runs import train
@@ -110,6 +120,15 @@ SCENARIOS = [
              _lm("qwen2", {}, accum=2, static_graph=True)),
     Scenario("llama-qlora-find-unused", "Llama QLoRA (bnb nf4) via prepare_model_for_kbit_training, find_unused",
              _lm("llama", None, qlora=True, find_unused_parameters=True), tolerance=1e-4),
+    Scenario("qwen2-vl-text-only-rank", "Qwen2-VL LoRA on text + vision, reentrant, rank 1 sees only text",
+             _vlm("qwen2_vl", {"use_reentrant": True})),
+    Scenario("gemma3-trainer-vlm", "HF Trainer, Gemma3 VLM, LoRA text + vision, rank 1 text-only, accum 2, "
+             "offload + tiled MLP", _trainer("trainer", family="gemma3", ckpt_kwargs={"use_reentrant": True},
+                                             lora_on_vision=True, text_only_rank=1),
+             tolerance=None, apply_kwargs={"offload": True, "tiled_mlp": True, "tiled_mlp_shard_tokens": 4}),
+    Scenario("qwen2-vl-sft-vlm", "TRL SFTTrainer, Qwen2-VL, LoRA text + vision, rank 1 text-only, static graph, "
+             "accum 2", _trainer("sft", family="qwen2_vl", ckpt_kwargs={"use_reentrant": True}, lora_on_vision=True,
+                                 text_only_rank=1, static_graph=True), tolerance=None),
     Scenario("hf-trainer-lora", "HF Trainer, LoRA, reentrant, ddp_static_graph, accum 2",
              _trainer("trainer", ckpt_kwargs={"use_reentrant": True}, static_graph=True), tolerance=None),
     Scenario("trl-sft-lora", "TRL SFTTrainer, LoRA, reentrant, ddp_static_graph, accum 2",

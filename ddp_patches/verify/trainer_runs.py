@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import vlm_models
+from .device import device
 from .hf_models import build_lora_model, lm_dataset, word_level_tokenizer
 from .parity import params_equal_across_ranks
 
@@ -56,7 +57,7 @@ def train(
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=device().type == "cpu",
         bf16=False,
         fp16=False,
         gradient_checkpointing=True,
