@@ -26,3 +26,10 @@ def test_validate_rejects_unknown_scenario():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "validate_ddp_fix.py"), "--scenarios", "nope"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "see --list" in proc.stderr
+
+
+def test_nccl_without_gpus_says_what_is_missing():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "validate_ddp_fix.py"), "--backend", "nccl",
+                           "--scenarios", "raw-*"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "needs one GPU per rank: 2 ranks, 0 GPUs visible" in proc.stderr
