@@ -2,19 +2,18 @@
 
     python benchmarks/offload.py                     # Qwen2-0.5B-sized random model, LoRA, bf16, 4K/8K/16K
     python benchmarks/offload.py --seq 8192 --steps 6
-    python benchmarks/offload.py --smoke             # tiny model on CPU: checks the script, measures nothing
+    python benchmarks/offload.py --smoke --out-dir /tmp/x   # tiny model on CPU: checks the script, measures nothing
 
 Both configurations run in this one process, alternating step by step (off, on, off, on, ...) after a warm-up, so
 clock and thermal drift hit both alike. Offload is forced on in a single process with an injected gate (the
 library only offloads when distributed; DDP itself does not change activation memory). Targets, from the
 offload issue: at least 95% of (layers - 1) x tokens x hidden x bytes removed from the peak, step time <= 1.03x.
-Writes benchmarks/results/offload.json. Without a CUDA device it prints why and exits 0.
+Writes benchmarks/results/offload.json and .png. Without a CUDA device it prints why and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -28,12 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddp_patches  # noqa: E402
 from ddp_patches import offload  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                  tie_word_embeddings=True)
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+NAME = "offload"
 TARGET_REMOVED, TARGET_TIME = 0.95, 1.03
 
 
@@ -99,31 +98,22 @@ def measure(model, seq: int, steps: int, warmup: int, device: str, vocab: int) -
     }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, 2 steps: checks the script only")
-    p.add_argument("--out", default=os.path.join(RESULTS, "offload.json"))
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-
-    if args.smoke:
+def run(quick: bool = False, *, seqs: list[int] | None = None, steps: int = 5, warmup: int = 2,
+        smoke: bool = False) -> dict | None:
+    """None (with a message) without a CUDA device, unless ``smoke`` (tiny model on CPU, checks the code)."""
+    if smoke:
         cfg, device, dtype, seqs, steps, warmup = TINY, "cpu", torch.float32, [64], 1, 1
     elif not torch.cuda.is_available():
-        print("benchmarks/offload.py: needs a CUDA GPU (offload moves GPU memory to pinned host memory); skipped")
-        return 0
+        print("offload: needs a CUDA GPU (it moves GPU memory to pinned host memory); skipped")
+        return None
     else:
-        cfg, device, dtype, seqs, steps, warmup = QWEN2_05B, "cuda", torch.bfloat16, args.seq, args.steps, args.warmup
-
+        cfg, device, dtype = QWEN2_05B, "cuda", torch.bfloat16
+        seqs = seqs or ([4096, 8192] if quick else [4096, 8192, 16384])
     torch.manual_seed(0)
     model = build(cfg, device, dtype)
     layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
     elem = torch.tensor([], dtype=dtype).element_size()
     rows = []
-    print(f"{'seq':>6} {'peak off GiB':>12} {'peak on GiB':>12} {'mem ratio':>9} {'removed/target':>15} "
-          f"{'step off s':>10} {'step on s':>10} {'time ratio':>10}")
     for seq in seqs:
         r = measure(model, seq, steps, warmup, device, cfg["vocab_size"])
         ideal = (layers - 1) * seq * hidden * elem
@@ -131,26 +121,66 @@ def main(argv=None) -> int:
         r["removed_fraction"] = (r["peak_bytes_off"] - r["peak_bytes_on"]) / ideal
         r["mem_ratio"] = r["peak_bytes_on"] / r["peak_bytes_off"] if r["peak_bytes_off"] else None
         r["time_ratio"] = r["step_s_on"] / r["step_s_off"]
-        r["meets_targets"] = r["removed_fraction"] >= TARGET_REMOVED and r["time_ratio"] <= TARGET_TIME
+        r["misses"] = [] if smoke else [m for m, bad in (
+            (f"removed {r['removed_fraction']:.3f} < {TARGET_REMOVED}", r["removed_fraction"] < TARGET_REMOVED),
+            (f"time {r['time_ratio']:.3f}x > {TARGET_TIME}x", r["time_ratio"] > TARGET_TIME)) if bad]
         rows.append(r)
-        flag = "" if r["meets_targets"] or args.smoke else "  <- misses target"
-        print(f"{seq:>6} {r['peak_bytes_off'] / 2**30:>12.3f} {r['peak_bytes_on'] / 2**30:>12.3f} "
-              f"{(r['mem_ratio'] or 0):>9.3f} {r['removed_fraction']:>15.3f} {r['step_s_off']:>10.3f} "
-              f"{r['step_s_on']:>10.3f} {r['time_ratio']:>10.3f}{flag}", flush=True)
-    report = {
-        "benchmark": "offload",
+    return {
+        "benchmark": NAME,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "model": {"config": "qwen2-0.5b-sized" if not args.smoke else "tiny", "layers": layers, "hidden": hidden,
+        "model": {"config": "tiny" if smoke else "qwen2-0.5b-sized", "layers": layers, "hidden": hidden,
                   "dtype": str(dtype), "lora_r": 16},
         "targets": {"removed_fraction_min": TARGET_REMOVED, "time_ratio_max": TARGET_TIME},
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+
+
+def print_table(report: dict) -> None:
+    print(f"{'seq':>6} {'peak off GiB':>12} {'peak on GiB':>12} {'mem ratio':>9} {'removed/ideal':>14} "
+          f"{'step off s':>10} {'step on s':>10} {'time ratio':>10}")
+    for r in report["rows"]:
+        flag = ("  <- " + "; ".join(r["misses"])) if r["misses"] else ""
+        print(f"{r['seq']:>6} {r['peak_bytes_off'] / 2**30:>12.3f} {r['peak_bytes_on'] / 2**30:>12.3f} "
+              f"{(r['mem_ratio'] or 0):>9.3f} {r['removed_fraction']:>14.3f} {r['step_s_off']:>10.3f} "
+              f"{r['step_s_on']:>10.3f} {r['time_ratio']:>10.3f}{flag}", flush=True)
+
+
+def plot(report: dict, path: str) -> str:
+    from benchmarks._common import plot_pair
+
+    rows = report["rows"]
+    x = [r["seq"] for r in rows]
+    plot_pair(path, x, {"offload off": [r["peak_bytes_off"] / 2**30 for r in rows],
+                        "offload on": [r["peak_bytes_on"] / 2**30 for r in rows]},
+              [r["time_ratio"] for r in rows], xlabel="sequence length", ylabel="peak GiB",
+              ratio_label="step time on / off", title=f"Offload of checkpoint inputs ({report['device']})",
+              logx=True, target=TARGET_TIME)
+    return path
+
+
+def summarize(report: dict) -> list[str]:
+    return [f"| offload, seq {r['seq']} ({report['device']}) | {r['removed_fraction']:.0%} of the ideal removed, "
+            f"{r['time_ratio']:.3f}x time | >= {TARGET_REMOVED:.0%}, <= {TARGET_TIME}x | "
+            f"{'missed: ' + '; '.join(r['misses']) if r['misses'] else 'met'} |" for r in report["rows"]]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, nargs="+")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="4K and 8K only")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, 1 step: checks the script only")
+    p.add_argument("--out-dir", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    report = run(args.quick, seqs=args.seq, steps=args.steps, warmup=args.warmup, smoke=args.smoke)
+    if report is None:
+        return 0
+    from benchmarks._common import finish
+
+    finish(sys.modules[__name__], report, args.out_dir)
     return 0
 
 

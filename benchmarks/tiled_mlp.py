@@ -1,6 +1,6 @@
 """Per-rank peak memory and time of one MLP forward+backward, tiled vs untiled, under 2-rank DDP on CPU.
 
-    python benchmarks/tiled_mlp.py                       # H=1024, I=4096, fp32, LoRA r=8, 4K/8K/16K/32K tokens
+    python benchmarks/tiled_mlp.py                       # H=1024, I=4096, fp32, LoRA r=8, 1K..32K tokens
     python benchmarks/tiled_mlp.py --tokens 4096 8192 --repeats 3
     python benchmarks/tiled_mlp.py --smoke               # small sizes: checks the script only
 
@@ -20,29 +20,19 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+from benchmarks._common import finish, launch_ranks, peak_bytes, plot_pair  # noqa: E402
+
+NAME = "tiled_mlp"
+TOKENS = [1024, 2048, 4096, 8192, 16384, 32768]
+QUICK_TOKENS = [1024, 2048, 4096, 8192]
 TARGETS = {8192: 4.0, 32768: 8.0}
 TIME_TARGET = 1.10
-
-
-def peak_bytes(fn) -> int:
-    """Peak of live tensor bytes allocated while ``fn`` runs (CPU allocation events, in time order)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    current = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        current += event.self_cpu_memory_usage
-        peak = max(peak, current)
-    return peak
 
 
 def worker(args) -> None:
@@ -105,57 +95,20 @@ def worker(args) -> None:
         dist.all_gather_object(gathered, row)
         if rank == 0:
             rows.append(gathered)
-            r = gathered[0]
-            mem = r["peak_bytes_untiled"] / r["peak_bytes_tiled"]
-            tr = r["step_s_tiled"] / r["step_s_untiled"]
-            target = TARGETS.get(tokens)
-            flag = ""
-            if target and mem < target:
-                flag += f"  <- memory target {target:.0f}x missed"
-            if tr > TIME_TARGET:
-                flag += f"  <- time target {TIME_TARGET}x missed"
-            print(f"{tokens:>6} {shards:>6} {r['peak_bytes_untiled'] / 2**20:>12.1f} {r['peak_bytes_tiled'] / 2**20:>10.1f} "
-                  f"{mem:>9.2f}x {r['step_s_untiled']:>10.3f} {r['step_s_tiled']:>9.3f} {tr:>9.2f}x{flag}", flush=True)
     if rank == 0:
         with open(args.worker_out, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--smoke", action="store_true", help="H=64, I=256, 512/1024 tokens: checks the script only")
-    p.add_argument("--out", default=os.path.join(RESULTS, "tiled_mlp.json"))
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.smoke:
-        args.hidden, args.intermediate, args.tokens, args.repeats = 64, 256, [512, 1024], 1
-    if args.worker_out:
-        worker(args)
-        return 0
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.abspath(__file__), "--worker-out", out, "--hidden", str(args.hidden),
-               "--intermediate", str(args.intermediate), "--repeats", str(args.repeats),
-               "--threads", str(args.threads), "--tokens", *map(str, args.tokens)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), CUDA_VISIBLE_DEVICES="")
-        print(f"tiled MLP, 2 ranks (gloo, CPU), H={args.hidden}, I={args.intermediate}, fp32, LoRA r=8; "
-              "per-rank numbers of rank 0")
-        print(f"{'tokens':>6} {'shards':>6} {'untiled MiB':>12} {'tiled MiB':>10} {'mem ratio':>10} "
-              f"{'untiled s':>10} {'tiled s':>9} {'time ratio':>10}", flush=True)
-        done = subprocess.run(cmd, env=env)
-        if done.returncode != 0:
-            print(f"benchmark ranks failed (exit {done.returncode})")
-            return done.returncode
-        with open(out) as f:
-            per_token = json.load(f)
+def run(quick: bool = False, *, tokens: list[int] | None = None, hidden: int = 1024, intermediate: int = 4096,
+        repeats: int | None = None, threads: int = 1) -> dict:
+    """Both variants side by side on 2 gloo ranks; one row per token count (rank 0's numbers, all ranks kept)."""
+    tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
+    repeats = repeats or (1 if quick else 3)
+    per_token = launch_ranks(os.path.abspath(__file__), 2, [
+        "--hidden", str(hidden), "--intermediate", str(intermediate), "--repeats", str(repeats),
+        "--threads", str(threads), "--tokens", *map(str, tokens)], threads=threads)
     rows = []
     for ranks in per_token:
         r0 = dict(ranks[0])
@@ -163,19 +116,84 @@ def main(argv=None) -> int:
         r0["mem_ratio"] = r0["peak_bytes_untiled"] / r0["peak_bytes_tiled"]
         r0["time_ratio"] = r0["step_s_tiled"] / r0["step_s_untiled"]
         r0["mem_target"] = TARGETS.get(r0["tokens"])
+        r0["misses"] = _misses(r0)
         rows.append(r0)
-    report = {
-        "benchmark": "tiled_mlp",
-        "date": time.strftime("%Y-%m-%d"),
-        "setup": {"hidden": args.hidden, "intermediate": args.intermediate, "dtype": "float32", "lora_r": 8,
-                  "ranks": 2, "backend": "gloo", "threads_per_rank": args.threads, "shard_rule": "ceil(T/H)"},
+    return {
+        "benchmark": NAME,
+        "setup": {"hidden": hidden, "intermediate": intermediate, "dtype": "float32", "lora_r": 8, "ranks": 2,
+                  "backend": "gloo", "threads_per_rank": threads, "repeats": repeats, "shard_rule": "ceil(T/H)"},
         "targets": {"memory": TARGETS, "time_ratio_max": TIME_TARGET},
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+
+
+def _misses(row: dict) -> list[str]:
+    misses = []
+    if row["mem_target"] and row["mem_ratio"] < row["mem_target"]:
+        misses.append(f"memory {row['mem_ratio']:.2f}x < {row['mem_target']:g}x")
+    if row["time_ratio"] > TIME_TARGET:
+        misses.append(f"time {row['time_ratio']:.2f}x > {TIME_TARGET}x")
+    return misses
+
+
+def print_table(report: dict) -> None:
+    print(f"{'tokens':>6} {'shards':>6} {'untiled MiB':>12} {'tiled MiB':>10} {'mem ratio':>10} "
+          f"{'untiled s':>10} {'tiled s':>9} {'time ratio':>10}")
+    for r in report["rows"]:
+        flag = ("  <- " + "; ".join(r["misses"])) if r["misses"] else ""
+        print(f"{r['tokens']:>6} {r['shards']:>6} {r['peak_bytes_untiled'] / 2**20:>12.1f} "
+              f"{r['peak_bytes_tiled'] / 2**20:>10.1f} {r['mem_ratio']:>9.2f}x {r['step_s_untiled']:>10.3f} "
+              f"{r['step_s_tiled']:>9.3f} {r['time_ratio']:>9.2f}x{flag}", flush=True)
+
+
+def plot(report: dict, path: str) -> str:
+    rows = report["rows"]
+    x = [r["tokens"] for r in rows]
+    mib = {"untiled": [r["peak_bytes_untiled"] / 2**20 for r in rows],
+           "tiled": [r["peak_bytes_tiled"] / 2**20 for r in rows]}
+    base, ext = os.path.splitext(path)
+    setup = report["setup"]
+    shape = f"H={setup['hidden']}, I={setup['intermediate']}, LoRA r=8, 2 ranks"
+    plot_pair(path, x, mib, [r["mem_ratio"] for r in rows], xlabel="tokens", ylabel="per-rank peak MiB",
+              ratio_label="untiled / tiled memory", title=f"Tiled MLP: memory ({shape})", logx=True)
+    secs = {"untiled": [r["step_s_untiled"] for r in rows], "tiled": [r["step_s_tiled"] for r in rows]}
+    plot_pair(base + "_time" + ext, x, secs, [r["time_ratio"] for r in rows], xlabel="tokens",
+              ylabel="forward+backward s", ratio_label="tiled / untiled time", title=f"Tiled MLP: time ({shape})",
+              logx=True, target=TIME_TARGET)
+    return path
+
+
+def summarize(report: dict) -> list[str]:
+    out = []
+    for r in report["rows"]:
+        if r["tokens"] in TARGETS or r is report["rows"][-1]:
+            target = f">= {r['mem_target']:g}x memory, <= {TIME_TARGET}x time" if r["mem_target"] else \
+                f"<= {TIME_TARGET}x time"
+            out.append(f"| tiled MLP, {r['tokens']} tokens (CPU, 2 ranks) | {r['mem_ratio']:.2f}x less memory, "
+                       f"{r['time_ratio']:.2f}x time | {target} | {'missed: ' + '; '.join(r['misses']) if r['misses'] else 'met'} |")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--quick", action="store_true", help="1K..8K tokens, 1 repeat")
+    p.add_argument("--smoke", action="store_true", help="H=64, I=256, 512/1024 tokens: checks the script only")
+    p.add_argument("--out-dir", default=None, help="where <name>.json and the plots go (default benchmarks/results)")
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.intermediate, args.tokens, args.repeats = 64, 256, [512, 1024], 1
+    if args.worker_out:
+        worker(args)
+        return 0
+    report = run(args.quick, tokens=args.tokens, hidden=args.hidden, intermediate=args.intermediate,
+                 repeats=args.repeats, threads=args.threads)
+    finish(sys.modules[__name__], report, args.out_dir)
     return 0
 
 

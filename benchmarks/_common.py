@@ -1,0 +1,105 @@
+"""Shared by the benchmarks: launching gloo ranks, measuring CPU peak memory, writing results and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+
+def launch_ranks(script: str, nproc: int, args: list[str], threads: int = 1) -> object:
+    """Run ``script --worker-out FILE *args`` on ``nproc`` gloo ranks (torchrun --standalone); return what rank 0
+    wrote to FILE (JSON). Raises RuntimeError when the ranks fail."""
+    with tempfile.TemporaryDirectory(prefix="ddp_patches_bench_") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               script, "--worker-out", out, *args]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+            raise RuntimeError(f"{os.path.basename(script)} on {nproc} ranks failed (exit {done.returncode}):\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def peak_bytes(fn) -> int:
+    """Peak of live tensor bytes allocated while ``fn`` runs on CPU (torch.profiler allocation events in time
+    order; frees are negative). Memory allocated before ``fn`` is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    current = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        current += event.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
+def write_report(name: str, report: dict, out_dir: str = RESULTS) -> str:
+    report.setdefault("benchmark", name)
+    report.setdefault("date", time.strftime("%Y-%m-%d"))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    return path
+
+
+def finish(module, report: dict, out_dir: str | None = None) -> str:
+    """A benchmark's last steps: its table on stdout, results/<name>.json, and its plot next to the JSON."""
+    module.print_table(report)
+    path = write_report(module.NAME, report, out_dir or RESULTS)
+    module.plot(report, path.replace(".json", ".png"))
+    print(f"wrote {path} and its plot", flush=True)
+    return path
+
+
+def new_figure(ncols: int, width: float):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=(width, 3.8))
+
+
+def save_figure(fig, axes, title: str, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_pair(path: str, x: list, series: dict[str, list], ratio: list, *, xlabel: str, ylabel: str,
+              ratio_label: str, title: str, logx: bool = False, target: float | None = None) -> str:
+    """Left: the curves side by side; right: their ratio, with the target as a dashed line."""
+    fig, (left, right) = new_figure(2, 10)
+    for label, ys in series.items():
+        left.plot(x, ys, marker="o", label=label)
+    left.set_xlabel(xlabel)
+    left.set_ylabel(ylabel)
+    left.legend()
+    right.plot(x, ratio, marker="o", color="black")
+    if target is not None:
+        right.axhline(target, linestyle="--", color="grey", label=f"target {target:g}")
+        right.legend()
+    right.set_xlabel(xlabel)
+    right.set_ylabel(ratio_label)
+    if logx:
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+    return save_figure(fig, (left, right), title, path)
