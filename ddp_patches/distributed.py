@@ -7,6 +7,7 @@ SFTConfig), so every patch asks here when it runs, never when it is installed.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch.distributed as dist
 
@@ -21,7 +22,10 @@ def is_distributed() -> bool:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """This process's rank; before the process group exists (apply() time), the launcher's RANK variable."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def log_rank0_once(key: str, level: int, msg: str, *args: object) -> None:

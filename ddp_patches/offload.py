@@ -67,6 +67,7 @@ EXPANDED = "expanded (stride 0)"
 SMALL = "below min_bytes"
 DEVICE = "device not offloaded"
 POOL_CAP = "pinned pool cap"
+NO_CUDA = "this host has no CUDA device (activations already live in host memory; nothing is pinned)"
 
 
 @dataclasses.dataclass
@@ -157,7 +158,7 @@ class CheckpointInputOffloader:
         explicit: bool = False,
     ) -> None:
         self.min_bytes = min_bytes
-        self._cuda_only = should_offload is None
+        self._no_cuda = should_offload is None and not torch.cuda.is_available()  # the default needs CUDA
         self.should_offload = should_offload or (lambda t: t.device.type == "cuda")
         self.gate = gate or is_distributed
         self.explicit = explicit
@@ -180,8 +181,8 @@ class CheckpointInputOffloader:
         if not self.gate():
             self._inert("single-process", "the process is not distributed (world size 1)")
             return False
-        if self._cuda_only and not torch.cuda.is_available():
-            self._inert("no-cuda", "this host has no CUDA device (activations already live in host memory)")
+        if self._no_cuda:
+            self._inert("no-cuda", NO_CUDA)
             return False
         hooks = torch._C._autograd
         return hooks._saved_tensors_hooks_is_enabled() and hooks._top_saved_tensors_default_hooks(False) is None
@@ -395,13 +396,11 @@ class _Uninstall:
 
 
 def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None) -> list[str]:
-    if explicit and not torch.cuda.is_available():
-        logger.warning("ddp_patches: offload=True, but this host has no CUDA device: checkpoint inputs already "
-                       "live in host memory, so offload stays inert (nothing is pinned)")
+    offloader = CheckpointInputOffloader(min_bytes=min_bytes, max_pinned_bytes=max_pinned_bytes, explicit=explicit)
+    if explicit and offloader._no_cuda:
+        offloader._inert("no-cuda", NO_CUDA)  # say it at apply(), not only at the first checkpoint
     REGISTRY.install(torch_checkpoint, "_checkpoint_without_reentrant_generator", _make_offloading_generator)
-    _active["offloader"] = CheckpointInputOffloader(
-        min_bytes=min_bytes, max_pinned_bytes=max_pinned_bytes, explicit=explicit
-    )
+    _active["offloader"] = offloader
     REGISTRY.add_handle(_Uninstall())
     return [TARGET]
 

@@ -6,7 +6,6 @@ identical on both ranks. Offload (forced through the CPU path) and the tiled MLP
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 

@@ -211,8 +211,8 @@ def combine_vlm(batches: list[dict]) -> dict:
 
 
 def vlm_parity(family: str = "qwen2_vl", ckpt_kwargs: Any = None, *, lora_on_vision: bool = False,
-               ddp_kwargs: dict | None = None, accum: int = 1, iters: int = 2, reference_context=None,
-               text_only_rank: int | None = None):
+               ddp_kwargs: dict | None = None, accum: int = 1, iters: int = 2,
+               reference_context=contextlib.nullcontext, text_only_rank: int | None = None):
     from .hf_models import lm_loss
     from .parity import run_parity
 
@@ -229,6 +229,6 @@ def vlm_parity(family: str = "qwen2_vl", ckpt_kwargs: Any = None, *, lora_on_vis
         accum=accum,
         iters=iters,
         lr=0.5,
-        reference_context=reference_context or contextlib.nullcontext,
+        reference_context=reference_context,
     )
 
