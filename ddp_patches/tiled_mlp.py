@@ -211,5 +211,5 @@ def install(*, shard_tokens: int | None) -> list[str]:
             patched.append(f"{module_name}.{name}.forward")
     if missing:
         logger.info("ddp_patches: tiled MLP skips families this transformers lacks: %s", ", ".join(missing))
-    logger.debug("ddp_patches: tiled MLP leaves other MLP shapes untiled: %s", "; ".join(NOT_TILED))
+    logger.info("ddp_patches: tiled MLP leaves other MLP shapes untiled: %s", "; ".join(NOT_TILED))
     return patched

@@ -195,3 +195,20 @@ def test_qwen2_vl_parity_with_tiled_text_mlp(pool, lora_on_vision):
     """The text tower's Qwen2MLP tiles; the vision tower's fc1/fc2 VisionMlp is another shape and is left alone."""
     for r in pool.run(vlm_case, lora_on_vision=lora_on_vision):
         assert r["max_rel_error"] <= 1e-9 and r["ranks_in_sync"] and r["counts"]["tiled_calls"] > 0
+
+
+def built_before_apply_case() -> dict:
+    """The model and its DDP wrapper exist before apply(): the class-level patch still tiles its MLPs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(mlp_models.build_stack("qwen3"), find_unused_parameters=True)
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
+        mlp_models.stack_loss(model, mlp_models.stack_batch(torch.distributed.get_rank(), 0, 0)).backward()
+        return {"tiled_calls": tiled_mlp.counts()["tiled_calls"],
+                "grads": all(p.grad is not None and p.grad.abs().sum() > 0
+                             for p in model.parameters() if p.requires_grad)}
+
+
+def test_model_built_before_apply_is_tiled(pool):
+    for r in pool.run(built_before_apply_case):
+        assert r["tiled_calls"] == 2 and r["grads"]
