@@ -184,8 +184,7 @@ class CheckpointInputOffloader:
         if self._no_cuda:
             self._inert("no-cuda", NO_CUDA)
             return False
-        hooks = torch._C._autograd
-        return hooks._saved_tensors_hooks_is_enabled() and hooks._top_saved_tensors_default_hooks(False) is None
+        return _hook_stack_free()
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -351,6 +350,18 @@ def _typed_view(buf: torch.Tensor, h: _Offloaded) -> torch.Tensor:
     if h.stride is None:
         return typed.view(h.shape)
     return typed.as_strided(h.shape, h.stride)
+
+
+def _hook_stack_free() -> bool:
+    """Saved-tensor hooks are enabled and none is pushed (private torch API; without it, stay out of the way)."""
+    hooks = torch._C._autograd
+    top = getattr(hooks, "_top_saved_tensors_default_hooks", None)
+    enabled = getattr(hooks, "_saved_tensors_hooks_is_enabled", None)
+    if top is None or enabled is None:
+        log_rank0_once("offload-no-hook-api", logging.WARNING,
+                       "ddp_patches: this torch cannot report pushed saved-tensor hooks; offload stays inert")
+        return False
+    return enabled() and top(False) is None
 
 
 def _in_backward() -> bool:
