@@ -116,7 +116,9 @@ def lm_batch(rank: int, it: int, micro: int) -> dict:
 
 
 def combine_lm(batches: list[dict]) -> dict:
-    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    """The global batch: each key concatenated over the ranks that have it (a text-only rank has no pixels)."""
+    keys = dict.fromkeys(k for b in batches for k in b)
+    return {k: torch.cat([b[k] for b in batches if k in b]) for k in keys}
 
 
 def lm_loss(model, batch: dict) -> torch.Tensor:

@@ -205,15 +205,10 @@ def vlm_batch(family: str, rank: int, it: int, micro: int, rows: int = 2, *, tex
                                  for i in range(rows)])
 
 
-def combine_vlm(batches: list[dict]) -> dict:
-    keys = {k for b in batches for k in b}
-    return {k: torch.cat([b[k] for b in batches if k in b]) for k in keys}
-
-
 def vlm_parity(family: str = "qwen2_vl", ckpt_kwargs: Any = None, *, lora_on_vision: bool = False,
                ddp_kwargs: dict | None = None, accum: int = 1, iters: int = 2,
                reference_context=contextlib.nullcontext, text_only_rank: int | None = None):
-    from .hf_models import lm_loss
+    from .hf_models import combine_lm, lm_loss
     from .parity import run_parity
 
     def batch(r, i, m):
@@ -223,7 +218,7 @@ def vlm_parity(family: str = "qwen2_vl", ckpt_kwargs: Any = None, *, lora_on_vis
     return run_parity(
         lambda: build_vlm(family, ckpt_kwargs, lora_on_vision=lora_on_vision, dtype=torch.float64),
         batch,
-        combine_vlm,
+        combine_lm,
         lm_loss,
         ddp_kwargs=ddp_kwargs,
         accum=accum,
