@@ -94,6 +94,9 @@ def worker(name: str, patched: bool, out: str, backend: str = "gloo") -> int:
                 json.dump({"status": "pass" if ok else "fail", "max_rel_error": result.get("max_rel_error"),
                            "detail": "" if ok else "wrong gradients or ranks out of sync", "result": result}, f)
     finally:
+        import gc
+
+        gc.collect()  # free DDP reducers (often in reference cycles) before the group goes: see benchmarks/_common
         dist.destroy_process_group()
     return 0
 

@@ -30,6 +30,19 @@ def launch_ranks(script: str, nproc: int, args: list[str], threads: int = 1) -> 
             return json.load(f)
 
 
+def leave_group() -> None:
+    """Leave the process group once the caller has dropped its DDP models. The other order (a worker returning
+    after destroy_process_group, its DDP reducers freed at interpreter exit) hung a gloo rank at exit in about
+    one run in three here."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def peak_bytes(fn) -> int:
     """Peak of live tensor bytes allocated while ``fn`` runs on CPU (torch.profiler allocation events in time
     order; frees are negative). Memory allocated before ``fn`` is not counted."""

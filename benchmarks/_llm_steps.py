@@ -55,7 +55,7 @@ def worker(args) -> None:
     import ddp_patches
     from ddp_patches import offload
 
-    from benchmarks._common import peak_bytes
+    from benchmarks._common import leave_group, peak_bytes
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -99,7 +99,9 @@ def worker(args) -> None:
         with open(args.worker_out, "w") as f:
             json.dump(rows, f)
     ddp_patches.revert()
-    dist.destroy_process_group()
+    models.clear()
+    optims.clear()
+    leave_group()
 
 
 class _null:

@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import finish, launch_ranks, peak_bytes, plot_pair  # noqa: E402
+from benchmarks._common import finish, launch_ranks, peak_bytes, plot_pair, leave_group  # noqa: E402
 
 NAME = "tiled_mlp"
 TOKENS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -44,18 +44,31 @@ def worker(args) -> None:
     from types import SimpleNamespace
 
     import ddp_patches
-    from ddp_patches import tiled_mlp
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    rank = dist.get_rank()
     torch.set_num_threads(args.threads)
     ddp_patches.apply(tiled_mlp=True)
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=args.hidden, intermediate_size=args.intermediate, hidden_act="silu",
                              mlp_bias=False)
-    mlp = get_peft_model(LlamaMLP(config), LoraConfig(r=8, lora_alpha=16,
-                                                       target_modules=["gate_proj", "up_proj", "down_proj"]))
-    model = DDP(mlp)
+    model = DDP(get_peft_model(LlamaMLP(config), LoraConfig(r=8, lora_alpha=16,
+                                                             target_modules=["gate_proj", "up_proj", "down_proj"])))
+    rows = _sweep(model, args)
+    if dist.get_rank() == 0:
+        with open(args.worker_out, "w") as f:
+            json.dump(rows, f)
+    del model
+    leave_group()
+
+
+def _sweep(model, args) -> list:
+    """For each token count: warm-up, interleaved timed runs, one profiled run per variant; rows of all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from ddp_patches import tiled_mlp
+
+    rank = dist.get_rank()
     rows = []
     for tokens in args.tokens:
         g = torch.Generator().manual_seed(rank)
@@ -82,10 +95,9 @@ def worker(args) -> None:
             for tiled in (False, True):
                 times[tiled].append(run(tiled, False))
         peaks = {tiled: run(tiled, True) for tiled in (False, True)}
-        shards = len(tiled_mlp.shard_sizes(tokens, args.hidden, None))
         row = {
             "tokens": tokens,
-            "shards": shards,
+            "shards": len(tiled_mlp.shard_sizes(tokens, args.hidden, None)),
             "peak_bytes_untiled": peaks[False],
             "peak_bytes_tiled": peaks[True],
             "step_s_untiled": statistics.median(times[False]),
@@ -93,12 +105,8 @@ def worker(args) -> None:
         }
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, row)
-        if rank == 0:
-            rows.append(gathered)
-    if rank == 0:
-        with open(args.worker_out, "w") as f:
-            json.dump(rows, f)
-    dist.destroy_process_group()
+        rows.append(gathered)
+    return rows
 
 
 def run(quick: bool = False, *, tokens: list[int] | None = None, hidden: int = 1024, intermediate: int = 4096,

@@ -67,6 +67,9 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
             results.put((task_id, rank, True, fn(**kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             results.put((task_id, rank, False, traceback.format_exc()))
+    import gc
+
+    gc.collect()  # free DDP reducers before the group goes (a reducer freed after it can hang gloo at exit)
     dist.destroy_process_group()
 
 
