@@ -18,14 +18,14 @@ from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
 from ddp_patches import offload
+from ddp_patches.verify.cpu_offload import cpu_path_offloader
 from ddp_patches.verify.raw_models import CheckpointStack, raw_batch
 
 MIB = 1 << 20
 
 
 def forced(**kwargs) -> offload.CheckpointInputOffloader:
-    kwargs.setdefault("min_bytes", 0)
-    return offload.CheckpointInputOffloader(gate=lambda: True, should_offload=lambda t: True, **kwargs)
+    return cpu_path_offloader(single_process=True, **kwargs)
 
 
 @contextlib.contextmanager
@@ -93,7 +93,7 @@ def test_inert_in_a_single_process_by_default():
     torch.manual_seed(0)
     model = CheckpointStack().double()
     x = torch.randn(8, 20, dtype=torch.float64)
-    with offloading(offload.CheckpointInputOffloader(min_bytes=0, should_offload=lambda t: True)) as off:
+    with offloading(cpu_path_offloader()) as off:  # gated on DDP, as by default
         stack_grads(model, x)
     assert off.stats.offloaded_tensors == 0 and off.stats.kept_last == 0
 

@@ -17,11 +17,12 @@ REENTRANT = {"use_reentrant": True}
 
 def vlm_trainer_case(kind: str, family: str, *, patched: bool = True, **kwargs) -> dict:
     from ddp_patches import offload, tiled_mlp
+    from ddp_patches.verify.cpu_offload import cpu_path_offloader
     from ddp_patches.verify.trainer_runs import train
 
     if not patched:
         return train(kind, family=family, **kwargs)
-    forced = offload.CheckpointInputOffloader(should_offload=lambda t: True, min_bytes=0)
+    forced = cpu_path_offloader()
     with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=4), offload.use_offloader(forced):
         result = train(kind, family=family, **kwargs)
         result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"]

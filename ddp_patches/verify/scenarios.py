@@ -46,10 +46,11 @@ def _offload_stack(accum=2, **ddp_kwargs):
         import ddp_patches
         from ddp_patches import offload
 
+        from .cpu_offload import cpu_path_offloader
         from .parity import run_parity
         from .raw_models import CheckpointStack, raw_batch
 
-        forced = offload.CheckpointInputOffloader(should_offload=lambda t: True, min_bytes=0)
+        forced = cpu_path_offloader()
         with offload.use_offloader(forced):
             result = run_parity(lambda: CheckpointStack(use_reentrant=True).double(), raw_batch, torch.cat,
                                 lambda m, x: m(x[:, :-1]).pow(2).mean(), ddp_kwargs=ddp_kwargs, accum=accum).as_dict()
