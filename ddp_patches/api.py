@@ -13,7 +13,7 @@ from . import reducer as _reducer_patch
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from ._registry import REGISTRY
-from .distributed import reset_log_once
+from .distributed import log_rank0_once, reset_log_once
 
 logger = logging.getLogger("ddp_patches")
 
@@ -97,7 +97,7 @@ def apply(
     _warn_ignored(options)
     report = ApplyReport(tuple(installed), options)
     _state["report"] = report
-    logger.info("%s", report)
+    log_rank0_once("apply-report", logging.INFO, "%s", report)
     return report
 
 

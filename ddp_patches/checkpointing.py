@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 
+import torch.distributed as torch_distributed
 import torch.utils.checkpoint as torch_checkpoint
 
 from ._registry import REGISTRY
@@ -51,9 +52,12 @@ def _make_non_reentrant_under_ddp(original_cls: type) -> type:
                 return original_cls.apply(function, preserve_rng_state, *args)
             log_rank0_once(
                 "checkpoint-swap",
-                logging.INFO,
-                "ddp_patches: reentrant activation checkpointing runs as use_reentrant=False under DDP "
-                "(see NOTE [Why non-reentrant] in ddp_patches/checkpointing.py)",
+                logging.WARNING,
+                "ddp_patches: activation checkpointing use_reentrant=True -> False under DDP (world size %d): a "
+                "reentrant checkpoint fires DDP's gradient hooks in a separate backward pass ('marked as ready "
+                "twice'); gradients are unchanged. NOTE [Why non-reentrant] in ddp_patches/checkpointing.py; "
+                "apply(checkpointing=False) keeps it reentrant",
+                torch_distributed.get_world_size(),
             )
             return torch_checkpoint.checkpoint(
                 function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state

@@ -1,31 +1,31 @@
-"""Mechanism 2: make DDP's reducer safe before the first step.
+"""Mechanism 2: make DDP's reducer safe before the first step, without changing a setting the user chose.
 
 Three measured failures, three small steps, each only when the process is distributed:
 
-1. ``find_unused_parameters`` (NOTE [find_unused choice]). A trainable parameter that gets no gradient on some
-   rank or iteration (LoRA on a vision tower and a text-only batch, an idle MoE expert) makes a reducer built
-   with find_unused_parameters=False raise "Expected to have finished reduction in the prior iteration" (gloo)
-   or hang (NCCL). Once every checkpoint is non-reentrant (ddp_patches.checkpointing), True is correct in
-   every configuration measured, so it is chosen unless the caller passed False to the constructor explicitly.
+1. A trainable parameter that gets no gradient on some rank or iteration (LoRA on a vision tower and a
+   text-only batch, an idle MoE expert) makes a reducer built with find_unused_parameters=False raise
+   "Expected to have finished reduction in the prior iteration" (gloo) or hang (NCCL). The reducer's settings
+   are left exactly as given (NOTE [find_unused is the user's]); ``ddp_patches.reach`` gives such a parameter
+   one zero-gradient edge instead, so its hook fires once whatever the setting.
 2. static_graph + gradient accumulation (NOTE [static graph first step]): the first backward under
    ``no_sync()`` trips ``expect_autograd_hooks_ INTERNAL ASSERT FAILED``; the first one is made a synced one.
 3. The trainable-parameter set is checked at every training forward against the one the reducer was built
    with (parameters frozen or unfrozen after wrapping): a clear error instead of a hang or silent drift.
 
-Settings and overrides are logged once on rank 0. The library does no dummy forward: DDP installs its
-autograd hooks at construction, and a no-grad forward installs nothing, so it would have no measured effect.
+The settings are logged once on rank 0 at INFO. The library does no dummy forward: DDP installs its autograd
+hooks at construction, and a no-grad forward installs nothing, so it would have no measured effect.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import reach, teardown
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -41,39 +41,17 @@ class TrainableParametersChangedError(RuntimeError):
     """Raised when parameters were frozen or unfrozen after the model was wrapped in DDP."""
 
 
-# NOTE [find_unused choice]
-# Measured (2 ranks, gloo, fp64): with non-reentrant checkpointing, find_unused_parameters=True passes every
-# module/setting we tried, including a parameter that alternates between used and unused; False fails as soon
-# as one trainable parameter receives no gradient on one rank. The Trainer derives False for a
-# PreTrainedModel with checkpointing and DDP defaults to False, which is exactly the VLM-with-text-only-batch
-# hang. So: an explicit constructor argument is respected (False is logged as a risk); anything else becomes
-# True. accelerate passes only non-default handler values, so False from a Trainer is not visible as explicit.
-# With static_graph=True the reducer finds unused parameters itself in the first iteration and DDP warns if
-# find_unused is also set, so it is left alone there. Without the checkpoint swap, True would *cause* "marked
-# ready twice" for reentrant regions, so nothing is changed then either.
-def choose_ddp_settings(explicit: Mapping[str, Any], *, checkpoint_swap: bool) -> tuple[dict[str, Any], list[str]]:
-    """Return (settings to pass to DDP on top of ``explicit``, one reason per override)."""
-    changes: dict[str, Any] = {}
-    reasons: list[str] = []
-    if explicit.get("static_graph"):
-        return changes, reasons
-    if "find_unused_parameters" in explicit:
-        if not explicit["find_unused_parameters"]:
-            reasons.append(
-                "find_unused_parameters=False kept because it was passed explicitly; a trainable parameter "
-                "that gets no gradient on one rank will then raise or hang"
-            )
-        return changes, reasons
-    if checkpoint_swap:
-        changes["find_unused_parameters"] = True
-        reasons.append(
-            "find_unused_parameters False -> True: with non-reentrant checkpointing it is correct for every "
-            "graph, and the only setting under which a trainable parameter that gets no gradient on some rank "
-            "(vision-tower LoRA with a text-only batch) neither raises nor hangs"
-        )
-    return changes, reasons
-
-
+# NOTE [find_unused is the user's]
+# An earlier release forced find_unused_parameters=True whenever it was not passed explicitly. Measured, that
+# turned working patterns into failures: accelerate's ``trigger_sync_in_backward`` (prepare_for_backward([])
+# then marks every parameter unused before its real hook marks it again: "marked as ready twice"), DDP with a
+# PowerSGD hook (ranks fall out of step; a gloo timeout or an NCCL hang), and five of PyTorch's own DDP tests;
+# it also cost every step an extra all-reduce and the bucket rebuild, and hid an explicit Trainer
+# ``ddp_find_unused_parameters=False`` (accelerate drops default values, so DDP never sees it as explicit).
+# What the flag was for -- a trainable parameter without a gradient on some rank -- is now handled in the
+# forward by ``reach`` (edges only for parameters whose module did not run, only when the reducer does not
+# search itself), so the setting the user, the Trainer or TRL chose is passed to DDP untouched. With
+# non-reentrant checkpointing (ddp_patches.checkpointing) both values of the flag and static_graph train.
 class TrainableGuard:
     """Forward pre-hook on one DDP instance: the trainable set must stay what the reducer was built with."""
 
@@ -112,33 +90,24 @@ def _some(names: list[str], shown: int = 8) -> str:
 
 
 def _patched_ddp_init(original_init):
-    signature = inspect.signature(original_init)
-
     def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)  # the settings as given: NOTE [find_unused is the user's]
         if not is_distributed():
-            return original_init(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        explicit = {k: v for k, v in bound.arguments.items() if k not in ("self", "module")}
-        changes, reasons = choose_ddp_settings(explicit, checkpoint_swap=_checkpoint_swap_active())
-        original_init(self, *args, **{**kwargs, **changes})
+            return
         REGISTRY.add_handle(self.register_forward_pre_hook(TrainableGuard(self)))
-        _log_settings(self, reasons)
+        edges = reach.install(self)
+        teardown.track(self)
+        _log_settings(self, edges is not None)
 
     return __init__
 
 
-def _checkpoint_swap_active() -> bool:
-    import torch.utils.checkpoint as torch_checkpoint
-
-    return REGISTRY.is_patched(torch_checkpoint, "CheckpointFunction")
-
-
-def _log_settings(ddp: DDP, reasons: list[str]) -> None:
+def _log_settings(ddp: DDP, edges: bool) -> None:
     settings = ", ".join(f"{k}={getattr(ddp, k, None)}" for k in _REPORTED if hasattr(ddp, k))
-    message = "ddp_patches: DistributedDataParallel built with " + settings
-    if reasons:
-        message += "".join(f"\n  - {r}" for r in reasons)
-    log_rank0_once(f"ddp-settings:{settings}:{reasons}", logging.INFO, message)
+    how = ("parameters unused in a forward get a zero-gradient edge (ddp_patches.reach)" if edges
+           else "unused parameters are found by DDP itself")
+    log_rank0_once(f"ddp-settings:{settings}", logging.INFO,
+                   "ddp_patches: DistributedDataParallel built with %s (as given); %s", settings, how)
 
 
 # NOTE [static graph first step]
@@ -185,5 +154,5 @@ def _patch_ddp_no_sync() -> None:
 def install() -> list[str]:
     _patch_ddp_init()
     _patch_ddp_no_sync()
-    return list(TARGETS)
+    return list(TARGETS) + teardown.install()
 

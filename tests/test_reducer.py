@@ -6,38 +6,41 @@ import pytest
 import torch
 
 import ddp_patches
-from ddp_patches.reducer import choose_ddp_settings
 
 
-@pytest.mark.parametrize("explicit,swap,expected_changes", [
-    ({}, True, {"find_unused_parameters": True}),
-    ({"find_unused_parameters": False}, True, {}),
-    ({"find_unused_parameters": True}, True, {}),
-    ({"static_graph": True}, True, {}),
-    ({}, False, {}),  # without the checkpoint swap, True would break reentrant regions
-])
-def test_find_unused_choice(explicit, swap, expected_changes):
-    changes, reasons = choose_ddp_settings(explicit, checkpoint_swap=swap)
-    assert changes == expected_changes
-    assert bool(reasons) == (bool(changes) or explicit.get("find_unused_parameters") is False)
+def released_case() -> dict:
+    """destroy_process_group() with a DDP still alive (what trainer.end() does): its reducer goes first."""
+    import datetime
+    import os
 
-
-def built_settings(ddp_kwargs: dict, checkpointing: bool = True) -> dict:
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    with ddp_patches.patched(checkpointing=checkpointing):
-        ddp = DDP(torch.nn.Linear(4, 4), **ddp_kwargs)
-    return {"find_unused_parameters": ddp.find_unused_parameters, "static_graph": ddp.static_graph}
+    from ddp_patches.teardown import ReleasedReducer
+
+    with ddp_patches.patched():
+        # A group of our own, so that the pool's default group survives the test.
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+        ddp = DDP(torch.nn.Linear(4, 4), process_group=group)
+        ddp(torch.randn(2, 4)).sum().backward()
+        dist.destroy_process_group(group)
+        released = isinstance(ddp.reducer, ReleasedReducer) and ddp.process_group is None
+        with torch.no_grad():
+            ddp(torch.randn(2, 4))  # evaluation needs no reducer
+        try:
+            ddp(torch.randn(2, 4))
+            message = "no error"
+        except RuntimeError as e:
+            message = str(e)
+    return {"released": released, "message": message, "state_dict": sorted(ddp.module.state_dict()),
+            "pid": os.getpid()}
 
 
-@pytest.mark.parametrize("ddp_kwargs,checkpointing,find_unused", [
-    ({}, True, True),
-    ({"find_unused_parameters": False}, True, False),
-    ({}, False, False),
-])
-def test_settings_applied_at_construction(pool, ddp_kwargs, checkpointing, find_unused):
-    for r in pool.run(built_settings, ddp_kwargs=ddp_kwargs, checkpointing=checkpointing):
-        assert r["find_unused_parameters"] is find_unused
+def test_destroying_the_group_releases_the_reducer_first(pool):
+    for r in pool.run(released_case):
+        assert r["released"]
+        assert "process group was destroyed" in r["message"] and "new DistributedDataParallel" in r["message"]
+        assert r["state_dict"] == ["bias", "weight"]
 
 
 def trainable_changed_case(change: str) -> str:

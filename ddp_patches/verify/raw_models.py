@@ -87,6 +87,34 @@ class UnusedOnSomeRanks(CheckpointOnce):
         return out
 
 
+class _HiddenReentrant(torch.autograd.Function):
+    """A home-made reentrant checkpoint (as in unsloth or older Megatron): forward under no_grad, recompute and
+    ``torch.autograd.backward`` inside backward, so its parameters' hooks fire in a nested graph task."""
+
+    @staticmethod
+    def forward(ctx, layer, x):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.layer(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+class HiddenReentrant(CheckpointOnce):
+    """l2 runs in a custom reentrant Function that no patch of torch.utils.checkpoint reaches."""
+
+    def forward(self, x):
+        return _HiddenReentrant.apply(self.l2, self.l1(x))
+
+
 class CheckpointStack(nn.Module):
     """An input projection, then ``depth`` checkpointed blocks (the second with ``dropout``), like a decoder.
 
@@ -115,6 +143,7 @@ RAW_MODULES = {
     "dynamic": DynamicCheckpoint,
     "no_grad_input": CheckpointNoGradInput,
     "unused_on_some_ranks": UnusedOnSomeRanks,
+    "hidden_reentrant": HiddenReentrant,
 }
 
 

@@ -1,0 +1,54 @@
+"""Upstream suites as regression gates: accelerate's test_sync.py and PyTorch's DDP tests, unpatched vs patched.
+
+Each runs unchanged in real processes; the patched runs go through ddp-patches-run, so every rank (torchrun's
+and PyTorch's spawned test ranks alike) is patched the way a user would patch it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests.external import RUNNER, run_bounded, torchrun
+
+UPSTREAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream")
+# PyTorch's DDP tests that run on CPU/gloo (the rest need CUDA devices); all pass unpatched.
+TORCH_CPU_DDP_TESTS = [
+    "test_DistributedDataParallelCPU",
+    "test_DistributedDataParallelCPU_grad_is_view",
+    "test_DistributedDataParallel_requires_grad",
+    "test_ddp_create_graph",
+    "test_ddp_logging_data_cpu",  # failed under the forced find_unused_parameters of the last release
+    "test_dump_DDP_relevant_env_vars",
+]
+
+
+def accelerate_script(name: str) -> str:
+    import accelerate.test_utils.scripts as scripts
+
+    return os.path.join(os.path.dirname(scripts.__file__), name)
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
+@pytest.mark.parametrize("script", ["test_sync.py", "gpu-gated sections"])
+def test_accelerate_test_sync(script, patched):
+    path = accelerate_script(script) if script == "test_sync.py" else os.path.join(UPSTREAM, "accelerate_sync_sections.py")
+    # ACCELERATE_USE_CPU: without it every CPU rank silently trains alone (FACTS) and nothing is tested.
+    out = run_bounded(torchrun(path, patched=patched), timeout=240, env={"ACCELERATE_USE_CPU": "true"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "Test Distributed `no_sync` context manager with multiple forwards" in out.stdout or script != "test_sync.py"
+    if patched:
+        assert "DistributedDataParallel built with" in out.stderr  # the ranks really were patched
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
+def test_pytorch_ddp_tests_cpu_subset(tmp_path, patched):
+    env = {"BACKEND": "gloo", "WORLD_SIZE": "2", "TEMP_DIR": str(tmp_path), "INIT_METHOD": f"file://{tmp_path}/init"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+           os.path.join(UPSTREAM, "torch_ddp_spawn.py"), "-k", " or ".join(TORCH_CPU_DDP_TESTS)]
+    out = run_bounded(RUNNER + ["--log-level", "INFO"] + cmd if patched else cmd, timeout=400, env=env)
+    assert f"{len(TORCH_CPU_DDP_TESTS)} passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+    if patched:
+        assert "DistributedDataParallel built with" in out.stdout + out.stderr
