@@ -5,10 +5,11 @@ Configurations (all on the same data, the same initial weights):
   unpatched   the best configuration that works without the library: non-reentrant checkpointing,
               find_unused_parameters=False. Built before apply(); its steps run with the offload wrapper's
               pass-through only (one ``yield from`` per checkpoint call).
-  patched     what a Trainer user gets with apply(): reentrant kwargs (run non-reentrant under DDP),
-              find_unused_parameters left unset (the library picks True), the trainable-set guard.
-  patched-fu-false  the same with an explicit find_unused_parameters=False: patched / this = the cost of the
-              library's find_unused choice.
+  patched     apply() with DDP's defaults: reentrant kwargs (run non-reentrant under DDP),
+              find_unused_parameters unset (kept False), the unused-parameter bookkeeping and the trainable-set
+              guard.
+  patched-fu-true  the same with find_unused_parameters=True (what the Trainer passes for a PeftModel, and what
+              the last release forced): this / patched = the cost of DDP's own search for unused parameters.
 In a single process (world size 1) DDP is not used: every configuration is the plain model.
 """
 
@@ -25,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-CONFIGS = ("unpatched", "patched", "patched-fu-false")
+CONFIGS = ("unpatched", "patched", "patched-fu-true")
 
 
 def build(ckpt_kwargs: dict, hidden: int, layers: int):
@@ -66,8 +67,8 @@ def worker(args) -> None:
                                 find_unused_parameters=False)}
     ddp_patches.apply()
     models["patched"] = wrap(build({"use_reentrant": True}, args.hidden, args.layers))
-    models["patched-fu-false"] = wrap(build({"use_reentrant": True}, args.hidden, args.layers),
-                                      find_unused_parameters=False)
+    models["patched-fu-true"] = wrap(build({"use_reentrant": True}, args.hidden, args.layers),
+                                     find_unused_parameters=True)
     optims = {k: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1e-3) for k, m in models.items()}
 
     def step(name, ids):

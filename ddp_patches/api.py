@@ -26,9 +26,11 @@ class ApplyReport:
 
     installed: tuple[str, ...]
     options: dict = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what was asked for but cannot act here, and why
 
     def __str__(self) -> str:
-        return "ddp_patches installed: " + (", ".join(self.installed) or "nothing")
+        text = "ddp_patches installed: " + (", ".join(self.installed) or "nothing")
+        return text + "".join(f"; {note}" for note in self.notes)
 
 
 _state: dict[str, ApplyReport | None] = {"report": None}
@@ -95,7 +97,8 @@ def apply(
         REGISTRY.restore_all()  # all or nothing
         raise
     _warn_ignored(options)
-    report = ApplyReport(tuple(installed), options)
+    notes = [] if options["offload"] is False else [versions.offload_unsupported_reason()]
+    report = ApplyReport(tuple(installed), options, tuple(n for n in notes if n))
     _state["report"] = report
     log_rank0_once("apply-report", logging.INFO, "%s", report)
     return report

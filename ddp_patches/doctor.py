@@ -76,10 +76,12 @@ def installed_versions() -> dict:
 def would_change(tiled_mlp: bool = False) -> list[str]:
     changes = [
         "torch.utils.checkpoint.CheckpointFunction: reentrant checkpoints run as use_reentrant=False",
-        "DistributedDataParallel.__init__: find_unused_parameters=True unless passed explicitly or static_graph",
+        "DistributedDataParallel.__init__: settings kept as given; with find_unused_parameters=False or static_graph, "
+        "a trainable parameter whose module did not run in a forward gets a zero-gradient edge",
         "DistributedDataParallel.no_sync: the first static-graph backward is synchronised",
         "each DDP forward: raises if the trainable parameter set changed after wrapping",
-        "non-reentrant checkpoints: inputs offloaded to pinned host memory (CUDA only; offload='auto')",
+        "torch.distributed.destroy_process_group: first releases the reducers of DDPs built on that group",
+        "non-reentrant checkpoints: inputs offloaded to pinned host memory (CUDA only, torch >= 2.8; offload='auto')",
     ]
     if tiled_mlp:
         changes.append("gate/up/down MLPs of the supported families: tiled along the tokens")
@@ -106,6 +108,10 @@ def _version_findings(found: dict) -> list[Finding]:
         versions.check({"torch": found["torch"], "transformers": found["transformers"]})
     except versions.UnsupportedVersionError as e:
         return [Finding("unsupported-version", "error", "library versions", str(e), "upgrade as the message says")]
+    reason = versions.offload_unsupported_reason(found["torch"])
+    if reason:
+        return [Finding("offload-needs-newer-torch", "info", f"torch {found['torch']}", reason,
+                        "upgrade torch to use offload; nothing else depends on it")]
     return []
 
 
@@ -158,17 +164,12 @@ def _reducer_findings(model: Any, args: Any) -> list[Finding]:
             "static-graph-accumulation", "error", f"ddp_static_graph=True with gradient_accumulation_steps={accum}",
             EAH, "ddp_patches.apply() (synchronises the first backward), or drop ddp_static_graph"))
     tower = _trainable_tower_parameters(model)
-    if tower and getattr(args, "ddp_find_unused_parameters", None) is False and not static:
+    if tower and getattr(args, "ddp_find_unused_parameters", None) is False and not static and not api.is_applied():
         found.append(Finding(
             "tower-lora-find-unused-false", "error", f"{len(tower)} trainable vision-tower parameters (e.g. "
             f"{tower[0]}) with ddp_find_unused_parameters=False: a text-only batch leaves them without gradient",
-            UNFINISHED, "leave ddp_find_unused_parameters unset with ddp_patches.apply() (it picks True), set it "
-            "True, or use ddp_static_graph=True"))
-    if getattr(args, "ddp_find_unused_parameters", None) is False and api.is_applied():
-        found.append(Finding(
-            "explicit-find-unused-false-lost", "info", "ddp_find_unused_parameters=False with apply()",
-            "none; accelerate does not pass default values on, so DDP sees it as unset and apply() picks True "
-            "(one extra graph traversal per step)", "apply(reducer=False) keeps DDP's own default"))
+            UNFINISHED, "ddp_patches.apply() (a text-only rank gives them a zero-gradient edge; the setting is "
+            "kept), or ddp_find_unused_parameters=True"))
     return found
 
 

@@ -1,17 +1,21 @@
 """Mechanism 2c: a DDP's reducer and its process group are released when the group is destroyed, not at exit.
 
 # NOTE [Reducer outliving its process group]
-# transformers >= 5.18 ends a run with ``trainer.end()`` -> accelerate -> ``torch.distributed.destroy_process_group``
-# while the DDP model is still alive (the Trainer, its accelerator and the model hold each other in reference
-# cycles). destroy_process_group drops only the group registry's references: the reducer and the DDP module keep
-# theirs, so ``~ProcessGroupGloo`` (which joins the group's worker threads) runs whenever the DDP is finally
-# freed -- usually by the last garbage collection during interpreter shutdown, when a thread that needs the GIL
-# can no longer get it. TRL's sft.py was seen blocked there (``~Reducer -> ~ProcessGroupGloo -> thread join``),
-# with or without this library. The library builds the DDP, so it can order the teardown: just before the group
-# is destroyed, every DDP built under apply() on that group drops its reducer, its logger and its reference to
-# the group. The group's destructor then runs inside destroy_process_group, in a healthy interpreter, on every
-# rank at the same point of the program. The DDP object stays usable for what needs no communication
-# (state_dict(), evaluation of a model without buffers); a training forward on it raises a clear error.
+# Seen here (TRL's sft.py, 2 gloo ranks, unpatched, py-spy): the main thread frees the Trainer's DDP, pybind11
+# deallocates its ``Reducer`` with the GIL held (``dealloc_without_manipulating_gil``), ``~Reducer`` drops the last
+# reference to the process group, and ``~ProcessGroupGloo`` joins the group's worker threads -- while one worker is
+# still destroying its last finished ``AsyncAllgatherWork``, whose tensor decref needs the GIL. A deadlock, in
+# about one run of six, with or without this library. torch guards the process group's own Python handle against
+# exactly this (its holder releases the GIL before the destructor runs); the Reducer's holder does not. It
+# happens whenever a DDP outlives ``destroy_process_group`` -- transformers >= 5.18 calls it from ``trainer.end()``
+# while the Trainer still holds the DDP model.
+#
+# So the reducer must never hold the last reference to its group. Just before a group is destroyed, every DDP
+# built under apply() on that group drops its reducer (and the logger that shares it) while the group registry
+# and ``ddp.process_group`` still reference the group, then drops ``process_group``. ~Reducer then frees no
+# group, and the group's own destructor runs afterwards through its GIL-releasing handle. The DDP object stays
+# usable for what needs no communication (state_dict(), evaluation of a model without buffers); a training
+# forward raises a clear error.
 """
 
 from __future__ import annotations
@@ -49,7 +53,10 @@ def track(ddp: nn.Module) -> None:
 
 
 def release(ddp: nn.Module) -> None:
-    """Drop the references that keep the process group alive: the reducer, its logger, the group itself."""
+    """Free the reducer while its group is referenced elsewhere, then drop the DDP's own group reference.
+
+    The order is the fix: NOTE [Reducer outliving its process group].
+    """
     ddp.reducer = ddp.logger = ReleasedReducer()
     ddp.process_group = None
 

@@ -9,6 +9,9 @@ import re
 # _static_graph_delay_allreduce_enqueued, both of which the patches rely on. Tested: torch 2.13.
 # transformers 4.46: GradientCheckpointingLayer-era checkpointing kwargs. Tested: transformers 5.23.
 MINIMUM = {"torch": (2, 4), "transformers": (4, 46)}
+# Offload reads the saved-tensor hook stack (torch._C._autograd._top_saved_tensors_default_hooks), which torch 2.8
+# added; on 2.4-2.7 apply() installs it inert and says so in its report.
+OFFLOAD_MINIMUM_TORCH = (2, 8)
 TESTED = {"torch": "2.13", "transformers": "5.23", "peft": "0.21", "trl": "1.16", "accelerate": "1.15"}
 
 
@@ -47,3 +50,12 @@ def check(versions: dict[str, str | None] | None = None) -> None:
             )
     if problems:
         raise UnsupportedVersionError("ddp_patches: unsupported library versions:\n  " + "\n  ".join(problems))
+
+
+def offload_unsupported_reason(torch_version: str | None = None) -> str | None:
+    """Why offload cannot act on this torch, or None."""
+    found = torch_version or installed("torch")
+    if found is not None and parse(found) < OFFLOAD_MINIMUM_TORCH:
+        return (f"offload needs torch >= {OFFLOAD_MINIMUM_TORCH[0]}.{OFFLOAD_MINIMUM_TORCH[1]} (found {found}): "
+                "it stays inert; the other patches are unaffected")
+    return None

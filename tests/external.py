@@ -6,33 +6,87 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 
 from tests.harness import ROOT, _free_port
 
 RUNNER = [sys.executable, "-m", "ddp_patches.autoapply"]  # what the ddp-patches-run console script runs
+_MARK = "DDP_PATCHES_TEST_RUN"
 
 
 class Hang(AssertionError):
     pass
 
 
-def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: str = ROOT) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; past ``timeout`` kill the whole group (ranks too) and raise Hang."""
+class Finished(subprocess.CompletedProcess):
+    """A command's outcome; ``hung`` when it (or a rank it started) was still running at the time bound."""
+
+    hung = False
+
+
+def _marked_pids(mark: str) -> list[int]:
+    """Every process whose environment carries ``mark``: torchrun's ranks run in sessions of their own, so a
+    process-group kill would miss a rank that hangs after its launcher gave up."""
+    pids = []
+    needle = f"{_MARK}={mark}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def _kill_marked(mark: str) -> bool:
+    pids = _marked_pids(mark)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return bool(pids)
+
+
+def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None, cwd: str = ROOT,
+                allow_exit_hang: bool = False) -> Finished:
+    """Run ``cmd``; past ``timeout`` kill it and every process it started, then raise Hang.
+
+    ``allow_exit_hang`` returns the output instead (``.hung`` set): for unpatched reference runs, which can hang at
+    exit through the very bug tests/test_clients.py checks the library removes.
+    """
+    mark = uuid.uuid4().hex
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_PATCHES_")}
     full_env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
                      "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                     "PYTHONPATH": ROOT})
+                     "PYTHONPATH": ROOT, _MARK: mark})
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        # Files, not pipes: an orphaned rank holding a pipe would block the reader past any timeout.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=full_env, cwd=cwd,
+                                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            proc.wait(timeout=timeout)
+            while _marked_pids(mark) and time.monotonic() < deadline:  # ranks still exiting
+                time.sleep(0.5)
+            hung = _kill_marked(mark)
+        except subprocess.TimeoutExpired:
+            hung = True
+            _kill_marked(mark)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        result = Finished(cmd, proc.returncode, out.read(), err.read())
+    result.hung = hung
+    if hung and not allow_exit_hang:
         raise Hang(f"{' '.join(cmd[:6])} ... did not exit within {timeout:.0f}s (a hang); last output:\n"
-                   f"{(out + err)[-3000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+                   f"{(result.stdout + result.stderr)[-3000:]}")
+    return result
 
 
 def torchrun(script: str, *args: str, patched: bool, nproc: int = 2) -> list[str]:

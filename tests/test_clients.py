@@ -42,10 +42,11 @@ def common_args(assets: dict, out: str, ckpt_kwargs: dict) -> list[str]:
             "--dataloader_num_workers", "0", "--seed", "0", "--output_dir", out]
 
 
-def sft(assets: dict, out: str, *, patched: bool, reentrant: bool):
+def sft(assets: dict, out: str, *, patched: bool, reentrant: bool, allow_exit_hang: bool = False):
     args = common_args(assets, out, {"use_reentrant": reentrant}) + ["--dataset_name", assets["sft"],
                                                                     "--max_length", "32"]
-    return run_bounded(torchrun(trl_script("sft.py"), *args, patched=patched), timeout=EXIT_BOUND_S)
+    return run_bounded(torchrun(trl_script("sft.py"), *args, patched=patched), timeout=EXIT_BOUND_S,
+                       allow_exit_hang=allow_exit_hang)
 
 
 def adapter_loads_without_the_library(base: str, adapter: str) -> None:
@@ -70,10 +71,16 @@ def test_sft_script_unpatched_reentrant_fails(assets, tmp_path):
 
 @pytest.fixture(scope="module")
 def working_unpatched_losses(assets, tmp_path_factory):
-    """The configuration that trains without the library (non-reentrant): its per-step losses."""
-    out = sft(assets, str(tmp_path_factory.mktemp("sft_plain")), patched=False, reentrant=False)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return logged_losses(out.stdout)
+    """The configuration that trains without the library (non-reentrant): its per-step losses.
+
+    Unpatched, this run can hang at exit after saving (NOTE [Reducer outliving its process group]); its output
+    is complete by then, so a hang here is tolerated -- the patched runs below are not allowed one.
+    """
+    out = sft(assets, str(tmp_path_factory.mktemp("sft_plain")), patched=False, reentrant=False, allow_exit_hang=True)
+    assert out.returncode == 0 or out.hung, out.stderr[-4000:]
+    losses = logged_losses(out.stdout)
+    assert len(losses) == 3, out.stdout[-2000:]
+    return losses
 
 
 @pytest.mark.parametrize("repeat", range(SFT_REPEATS))

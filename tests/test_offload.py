@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
 from ddp_patches import offload
+from ddp_patches.pinned_pool import size_class
 from ddp_patches.verify.cpu_offload import cpu_path_offloader
 from ddp_patches.verify.raw_models import CheckpointStack, raw_batch
 
@@ -110,7 +111,7 @@ def test_pool_cap_keeps_the_rest_on_the_device():
     torch.manual_seed(0)
     model = CheckpointStack(depth=4).double()
     x = torch.randn(8, 20, dtype=torch.float64)
-    one = 8 * 20 * 8
+    one = size_class(8 * 20 * 8)
     with ddp_patches.patched():
         expected = stack_grads(model, x)
     with offloading(forced(max_pinned_bytes=one)) as off:
@@ -127,7 +128,7 @@ def test_pool_buffers_are_reused_across_steps():
     with offloading(forced()) as off:
         for _ in range(3):
             stack_grads(model, x)
-    assert off.pool.owned_bytes == 3 * 8 * 20 * 8  # one step's worth, not three
+    assert off.pool.owned_bytes == 3 * size_class(8 * 20 * 8)  # one step's worth, not three
     assert off.pool.in_use_bytes == 0  # everything came back when autograd freed the saved inputs
     assert off.last_step.step == 2 and off.last_step.offloaded_tensors == 3
 

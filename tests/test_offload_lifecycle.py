@@ -1,0 +1,277 @@
+"""Offload you can trust (issue: in-place edits, release timing, shared inputs, step boundaries, old torch,
+several devices), each through the real pack/unpack path on CPU with the injected predicate."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ddp_patches
+from ddp_patches import offload, versions
+from ddp_patches.verify.cpu_offload import cpu_path_offloader
+from ddp_patches.verify.raw_models import CheckpointStack
+
+
+def forced(**kwargs) -> offload.CheckpointInputOffloader:
+    return cpu_path_offloader(single_process=True, **kwargs)
+
+
+@contextlib.contextmanager
+def offloading(offloader):
+    with ddp_patches.patched(), offload.use_offloader(offloader):
+        yield offloader
+
+
+def grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# -- 1. in-place edits after pack --------------------------------------------------------------------------------
+def inplace_case(edit_index: int):
+    blocks = [nn.Linear(16, 16).double() for _ in range(3)]
+    h = torch.randn(4, 16, dtype=torch.float64, requires_grad=True) * 1.0
+    inputs, out = [], h
+    for block in blocks:
+        inputs.append(out)
+        out = checkpoint(block, out, use_reentrant=False)
+    inputs[edit_index].mul_(-3.0)  # an in-place edit of a checkpoint input after its checkpoint ran
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("edit_index", [0, 2], ids=["offloaded-input", "kept-last-input"])
+def test_inplace_edit_after_pack_raises_autograds_error(edit_index):
+    with ddp_patches.patched(), pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        inplace_case(edit_index)  # what torch says without offload
+    with offloading(forced()), pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        inplace_case(edit_index)  # and with it: no silently wrong gradient
+
+
+def test_version_witness_follows_views_and_holds_no_memory():
+    x = torch.randn(1000)
+    witness = offload.version_witness(x)
+    view = x[:10]
+    del x
+    view.add_(1)  # through a view, after the base tensor object is gone
+    assert witness._version == 1 and witness.untyped_storage().nbytes() == 0
+
+
+# -- 2. device memory released when the copy is issued, not when the CPU sees it finish ---------------------------
+class InFlightCopier(offload._SyncCopier):
+    """Models a GPU-bound run: every device-to-host copy stays in flight (its source held by the copy, as the
+    caching allocator holds a block with a pending record_stream) until ``finish()``."""
+
+    def __init__(self):
+        self.in_flight: list[torch.Tensor] = []
+
+    def to_host(self, h):
+        super().to_host(h)
+        self.in_flight.append(h.source)
+
+    def finish(self):
+        self.in_flight.clear()
+
+
+def test_handles_drop_their_device_tensor_as_soon_as_the_copy_is_issued():
+    copier = InFlightCopier()
+    live_after_each_pack = []
+    with offloading(forced(copier=copier)) as off:
+        h = torch.randn(8, 32) * 2
+        for block in [nn.Linear(32, 32) for _ in range(6)]:
+            h = checkpoint(block, h, use_reentrant=False)
+            live_after_each_pack.append(sum(x.source is not None for x in off.live_handles()))
+        h.sum().backward()
+    assert live_after_each_pack == [1] * 6  # only the pending (last) input; the copy itself holds the rest
+    assert len(copier.in_flight) == 5
+
+
+# -- 3. a tensor shared by several checkpoints crosses the bus once each way ---------------------------------------
+def test_shared_input_is_copied_out_once_and_back_once():
+    torch.manual_seed(0)
+    blocks = [nn.Linear(32, 32).double() for _ in range(6)]
+
+    def layer(block, h, mask):
+        return block(h) * mask
+
+    def run():
+        torch.manual_seed(1)
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        h = torch.randn(8, 32, dtype=torch.float64) * 2
+        mask = torch.rand(8, 32, dtype=torch.float64).exp()  # passed positionally to every layer
+        for b in blocks:
+            h = checkpoint(layer, b, h, mask, use_reentrant=False)
+        h.sum().backward()
+        return [p.grad.clone() for b in blocks for p in b.parameters()]
+
+    with ddp_patches.patched():
+        expected = run()
+    with offloading(forced()) as off:
+        got = run()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    s = off.stats
+    assert s.deduplicated == 5  # the mask is packed once
+    assert s.offloaded_tensors == 6  # 5 hidden states + the mask (the last hidden state stays)
+    assert s.copies_in == 6 and s.restored_again == 5  # the mask came back once and served five more layers
+    assert s.copies_in == s.prefetched + s.waited  # every copy was used: no prefetch thrown away
+    assert s.waited == 1  # the mask's first use (at the last layer) is the one copy not started ahead
+
+
+# -- 5. step boundaries --------------------------------------------------------------------------------------------
+def test_gradient_penalty_inside_forward_does_not_split_the_step():
+    torch.manual_seed(0)
+    model = CheckpointStack(depth=4).double()
+    x = torch.randn(8, 20, dtype=torch.float64, requires_grad=True)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        h = model.inp(x)
+        for i, block in enumerate(model.blocks):
+            h = h + checkpoint(block, h, use_reentrant=False)
+            if i == 1:  # a gradient penalty computed in the middle of the forward
+                (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+                h = h + 1e-3 * g.pow(2).sum()
+        h.pow(2).mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    with ddp_patches.patched():
+        expected = step()
+    with offloading(forced()) as off:
+        got = step()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert off.stats.offloaded_tensors == 3 and off.stats.kept_last == 1  # the step was not split
+    assert off.last_step is None  # still one window
+
+
+def test_two_forwards_then_one_backward():
+    torch.manual_seed(0)
+    model = CheckpointStack(depth=4).double()
+    a, b = torch.randn(8, 20, dtype=torch.float64), torch.randn(8, 20, dtype=torch.float64)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        (model(a).pow(2).mean() + model(b).pow(2).mean()).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    with ddp_patches.patched():
+        expected = step()
+    with offloading(forced()) as off:
+        got = step()
+        got_again = step()
+    assert all(torch.equal(x, y) for x, y in zip(expected, got))
+    assert all(torch.equal(x, y) for x, y in zip(expected, got_again))
+    assert off.last_step.offloaded_tensors == 7  # 8 inputs over two forwards; the very last one stays
+    assert off.pool.in_use_bytes == 0
+
+
+class Boom(Exception):
+    pass
+
+
+def test_backward_that_raises_midway_then_training_continues():
+    torch.manual_seed(0)
+    model = CheckpointStack(depth=4).double()
+    x = torch.randn(8, 20, dtype=torch.float64)
+    with ddp_patches.patched():
+        expected = grads(model, x)
+    with offloading(forced()) as off:
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.register_hook(lambda g: (_ for _ in ()).throw(Boom()))  # raises as backward starts
+        with pytest.raises(Boom):
+            out.pow(2).mean().backward()
+        del out
+        got = grads(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert off.pool.in_use_bytes == 0 and off.stats.offloaded_tensors == 3
+
+
+def test_forwards_never_followed_by_a_backward_keep_bookkeeping_bounded():
+    torch.manual_seed(0)
+    model = CheckpointStack(depth=4).double()
+    x = torch.randn(8, 20, dtype=torch.float64)
+    with offloading(forced()) as off:
+        for _ in range(50):
+            model(x)  # the output is dropped: autograd frees the saved inputs
+        assert len(off._order) <= 4 and len(off._by_key) <= 4
+        assert off.pool.in_use_bytes <= 3 * off.pool.peak_in_use_bytes
+        assert off.stats.step >= 50
+
+
+def test_evaluation_under_no_grad_between_steps_and_two_models():
+    torch.manual_seed(0)
+    first, second = CheckpointStack(depth=4).double(), CheckpointStack(depth=3).double()
+    x = torch.randn(8, 20, dtype=torch.float64)
+    with ddp_patches.patched():
+        expected = (grads(first, x), grads(second, x))
+    with offloading(forced()) as off:
+        got_first = grads(first, x)
+        with torch.no_grad():
+            first(x), second(x)  # evaluation: nothing packed
+        evaluated = off.stats.offloaded_tensors
+        got_second = grads(second, x)
+    assert all(torch.equal(a, b) for a, b in zip(expected[0], got_first))
+    assert all(torch.equal(a, b) for a, b in zip(expected[1], got_second))
+    assert evaluated == 3 and off.stats.offloaded_tensors == 2  # the second model's own window
+
+
+# -- 4. a failed pinned allocation inside forward -------------------------------------------------------------------
+def test_failed_pinned_allocation_keeps_the_tensor_with_one_warning(caplog):
+    from ddp_patches.pinned_pool import PinnedBufferPool
+
+    def refuse(n):
+        raise RuntimeError("CUDA error: out of memory")
+
+    torch.manual_seed(0)
+    model = CheckpointStack(depth=4).double()
+    x = torch.randn(8, 20, dtype=torch.float64)
+    with ddp_patches.patched():
+        expected = grads(model, x)
+    pool = PinnedBufferPool(1 << 30, pin=False, allocate=refuse)
+    with caplog.at_level(logging.WARNING, logger="ddp_patches"), offloading(forced(pool=pool)) as off:
+        got = grads(model, x)
+        grads(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert off.last_step.kept[offload.PINNED_FAILED] == 3 and off.last_step.offloaded_tensors == 0
+    assert sum("pinned host allocation failed" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- 6. torch without the hook-stack API ----------------------------------------------------------------------------
+def test_offload_states_its_minimum_torch(monkeypatch):
+    assert versions.OFFLOAD_MINIMUM_TORCH == (2, 8)
+    assert "needs torch >= 2.8 (found 2.7.1)" in versions.offload_unsupported_reason("2.7.1")
+    assert versions.offload_unsupported_reason("2.13.0") is None
+    monkeypatch.setattr(versions, "offload_unsupported_reason", lambda *a: "offload needs torch >= 2.8 (found 2.7.1)")
+    report = ddp_patches.apply()
+    assert "offload needs torch >= 2.8" in str(report) and report.notes
+    ddp_patches.revert()
+    assert not ddp_patches.apply(offload=False).notes  # nothing to say when offload is off
+
+
+def test_doctor_names_the_offload_minimum():
+    from ddp_patches.doctor import _version_findings
+
+    found = _version_findings({"torch": "2.7.1", "transformers": "5.23.0"})
+    assert [f.code for f in found] == ["offload-needs-newer-torch"]
+
+
+# -- 7. several devices in one process -----------------------------------------------------------------------------
+def test_copies_and_buffers_are_kept_per_device(monkeypatch):
+    """The bookkeeping side of a model split over devices: each handle's buffer comes from its device's free list
+    (tests/test_offload_cuda.py runs the streams on real GPUs where there are two)."""
+    seen = []
+    off = forced()
+    real_acquire = off.pool.acquire
+    monkeypatch.setattr(off.pool, "acquire", lambda n, device=None: seen.append(device) or real_acquire(n, device))
+    with offloading(off):
+        h = torch.randn(4, 32) * 2
+        for block in [nn.Linear(32, 32) for _ in range(3)]:
+            h = checkpoint(block, h, use_reentrant=False)
+        h.sum().backward()
+    assert seen == [torch.device("cpu")] * 2  # the tensor's own device keys the free list
