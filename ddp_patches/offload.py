@@ -53,7 +53,9 @@
 # a gradient penalty), two forwards can precede one backward, a backward can raise midway, a forward can be
 # thrown away. So there is no backward flag: a handle lives exactly as long as autograd keeps the saved input,
 # the pending (last) input is copied out by the next pack if it is still alive, and a new accounting window (one
-# micro-step in ``stats``) starts at the first pack after every handle of the previous window has been freed.
+# micro-step in ``stats``) starts at the first pack after a backward has reached the window's inputs and every
+# one of its handles has been freed (a checkpoint output dropped inside a forward frees handles too early to
+# mark a step).
 # The bookkeeping holds weak references only and is pruned at each pack, so it stays bounded whatever the user
 # does.
 #
@@ -285,6 +287,7 @@ class CheckpointInputOffloader:
         self._pending: weakref.ref | None = None  # last packed handle, still on the device
         self._order: list[weakref.ref] = []  # this window's handles, in pack order (pruned of dead ones)
         self._by_key: dict[tuple, weakref.ref] = {}
+        self._unpacked = False  # a backward reached this window's inputs (NOTE [Step windows])
 
     # -- when to push the hooks ------------------------------------------------------------------------------
     def wants_hooks(self) -> bool:
@@ -369,6 +372,7 @@ class CheckpointInputOffloader:
 
     # -- unpack: backward ------------------------------------------------------------------------------------
     def unpack(self, packed):
+        self._unpacked = True
         if isinstance(packed, _Kept):
             return packed.unpack()
         if not isinstance(packed, _Offloaded):
@@ -415,15 +419,15 @@ class CheckpointInputOffloader:
 
     # -- step windows (NOTE [Step windows]) --------------------------------------------------------------------
     def _prune(self) -> None:
-        """Drop dead handles; when none of this window's is alive any more, the next pack starts a new window."""
+        """Drop dead handles; once a backward has run and none of this window's handles is alive, the next pack
+        starts a new window."""
         if not self._order:
             return
         live = [ref for ref in self._order if ref() is not None]
-        if live:
-            if len(live) < len(self._order) // 2:  # keep the list short without renumbering on every pack
-                self._renumber(live)
-            return
-        self._end_window()
+        if not live and self._unpacked:
+            self._end_window()
+        elif len(live) < len(self._order) // 2:  # keep the list short without renumbering on every pack
+            self._renumber(live)
 
     def _renumber(self, live: list[weakref.ref]) -> None:
         self._order = live
@@ -446,6 +450,7 @@ class CheckpointInputOffloader:
         self._order.clear()
         self._by_key.clear()
         self._pending = None
+        self._unpacked = False
 
     def _inert(self, key: str, why: str) -> None:
         log_rank0_once("offload-inert-" + key, logging.WARNING if self.explicit else logging.DEBUG,

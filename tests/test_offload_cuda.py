@@ -1,0 +1,241 @@
+"""Offload on a real GPU: races, shared inputs, pinned-memory bounds, lifecycle, DDP conditions.
+
+Skipped without CUDA (CI has none). Run where a GPU exists: ``python -m pytest -q tests/test_offload_cuda.py``.
+No run has been made yet: no GPU has been lent to this project's sessions (README, Compatibility).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ddp_patches
+from ddp_patches import offload
+from tests.harness import ROOT, _free_port
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (offload moves GPU "
+                                "memory to pinned host memory); CPU runs cover the logic in test_offload*.py")
+
+DEV = "cuda"
+
+
+class SlowSideStream(offload._StreamCopier):
+    """Delays every copy on the side stream (``torch.cuda._sleep``) so a missing dependency shows as a race."""
+
+    def __init__(self, cycles: int = 5_000_000):
+        super().__init__()
+        self.cycles = cycles
+
+    def to_host(self, h):
+        with torch.cuda.stream(self.stream(h.device)):
+            torch.cuda._sleep(self.cycles)
+        super().to_host(h)
+
+    def to_device(self, h, out):
+        with torch.cuda.stream(self.stream(h.device)):
+            torch.cuda._sleep(self.cycles)
+        return super().to_device(h, out)
+
+
+def gpu_offloader(**kwargs) -> offload.CheckpointInputOffloader:
+    return offload.CheckpointInputOffloader(gate=lambda: True, min_bytes=0, **kwargs)
+
+
+@contextlib.contextmanager
+def offloading(offloader):
+    with ddp_patches.patched(), offload.use_offloader(offloader):
+        yield offloader
+
+
+def stack(depth: int = 6, width: int = 1024) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)).to(DEV)
+
+
+def step(blocks, x, *, poison: bool = False) -> list[torch.Tensor]:
+    for p in blocks.parameters():
+        p.grad = None
+    h = x * 1.0
+    for block in blocks:
+        h = h + checkpoint(block, h, use_reentrant=False)
+    if poison:  # freed device blocks are handed out again and filled with NaN before backward starts
+        junk = [torch.full((h.numel(),), float("nan"), device=DEV, dtype=h.dtype) for _ in range(len(blocks))]
+        del junk
+    h.pow(2).mean().backward()
+    torch.cuda.synchronize()
+    return [p.grad.clone() for p in blocks.parameters()]
+
+
+def test_race_stress_bit_identical_with_a_delayed_side_stream():
+    blocks = stack()
+    x = torch.randn(2048, 1024, device=DEV)
+    with ddp_patches.patched():
+        expected = step(blocks, x)
+    with offloading(gpu_offloader(copier=SlowSideStream())) as off:
+        for _ in range(3):
+            got = step(blocks, x, poison=True)
+            assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert off.last_step.offloaded_tensors == 5 and off.pool.in_use_bytes == 0
+
+
+def test_race_stress_under_the_cuda_sanitizer():
+    code = ("import sys; sys.path.insert(0, %r); from tests import test_offload_cuda as t; "
+            "t.test_race_stress_bit_identical_with_a_delayed_side_stream(); print('SANITIZER OK')" % ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "TORCH_CUDA_SANITIZER": "1"})
+    assert "SANITIZER OK" in out.stdout and "CSAN" not in out.stderr, out.stderr[-4000:]
+
+
+def test_device_memory_released_while_the_cpu_runs_ahead():
+    """With the side stream held back, the CPU packs every layer before any copy finishes; the device memory
+    of each offloaded input must still be given back (allocated bytes stay flat across the forward)."""
+    blocks = stack(depth=8)
+    x = torch.randn(4096, 1024, device=DEV)
+    with offloading(gpu_offloader(copier=SlowSideStream(50_000_000))) as off:
+        h = x * 1.0
+        allocated = []
+        for block in blocks:
+            h = h + checkpoint(block, h, use_reentrant=False)
+            allocated.append(torch.cuda.memory_allocated())
+            assert sum(x.source is not None for x in off.live_handles()) == 1
+        h.sum().backward()
+    layer_bytes = x.numel() * x.element_size()
+    assert allocated[-1] - allocated[1] < 3 * layer_bytes  # without offload it grows by ~one layer per block
+
+
+def test_shared_mask_crosses_the_bus_once_each_way():
+    blocks = stack(depth=6)
+    mask = torch.rand(2048, 1024, device=DEV)
+
+    def layer(block, h, m):
+        return block(h) * m
+
+    with offloading(gpu_offloader()) as off:
+        h = torch.randn(2048, 1024, device=DEV)
+        for block in blocks:
+            h = checkpoint(layer, block, h, mask, use_reentrant=False)
+        h.sum().backward()
+    s = off.stats
+    assert s.deduplicated == 5 and s.copies_in == s.prefetched + s.waited == 6 and s.restored_again == 5
+
+
+def test_variable_lengths_stay_within_the_pinned_cap():
+    blocks = stack(depth=6)
+    cap = 64 << 20
+    rng = random.Random(0)
+    with offloading(gpu_offloader(max_pinned_bytes=cap)) as off:
+        for _ in range(20):
+            step(blocks, torch.randn(rng.randint(256, 4096), 1024, device=DEV))
+    assert off.pool.peak_owned_bytes <= cap
+    stats = torch.cuda.host_memory_stats()
+    reserved = [v for k, v in stats.items() if "reserved_bytes" in k and k.endswith("current")]
+    if reserved:  # torch's own count of pinned bytes it holds: the pool's classes are all of it
+        assert reserved[0] <= cap + (8 << 20)
+    assert off.pool.allocations < 6 * 4
+
+
+@pytest.mark.parametrize("pattern", ["penalty", "two-forwards", "raising-backward", "eval-between"])
+def test_lifecycle_patterns_bit_identical(pattern):
+    blocks = stack(depth=4)
+    x = torch.randn(1024, 1024, device=DEV, requires_grad=pattern == "penalty")
+
+    def run():
+        for p in blocks.parameters():
+            p.grad = None
+        h = x * 1.0
+        for i, block in enumerate(blocks):
+            h = h + checkpoint(block, h, use_reentrant=False)
+            if pattern == "penalty" and i == 1:
+                (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+                h = h + 1e-3 * g.pow(2).sum()
+        loss = h.pow(2).mean()
+        if pattern == "two-forwards":
+            loss = loss + sum(checkpoint(b, x * 1.0, use_reentrant=False).mean() for b in blocks)
+        if pattern == "raising-backward":
+            bad = h.pow(2).mean()
+            bad.register_hook(lambda g: (_ for _ in ()).throw(ValueError("boom")))
+            with pytest.raises(ValueError):
+                bad.backward(retain_graph=True)
+        if pattern == "eval-between":
+            with torch.no_grad():
+                for block in blocks:
+                    block(x)
+        loss.backward()
+        torch.cuda.synchronize()
+        return [p.grad.clone() for p in blocks.parameters()]
+
+    with ddp_patches.patched():
+        expected = run()
+    with offloading(gpu_offloader()):
+        got = run()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices in one process")
+def test_model_split_over_two_devices():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Linear(1024, 1024).to("cuda:0"), nn.Linear(1024, 1024).to("cuda:0"),
+                            nn.Linear(1024, 1024).to("cuda:1"), nn.Linear(1024, 1024).to("cuda:1")])
+
+    def run():
+        for p in blocks.parameters():
+            p.grad = None
+        h = torch.randn(2048, 1024, device="cuda:0")
+        for block in blocks:
+            h = checkpoint(block, h.to(block.weight.device), use_reentrant=False)
+        h.sum().backward()
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        return [p.grad.clone() for p in blocks.parameters()]
+
+    with ddp_patches.patched():
+        expected = run()
+    with offloading(gpu_offloader(copier=SlowSideStream())) as off:
+        got = run()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert len(off.copier._streams) == 2
+
+
+DDP_SCRIPT = r'''
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["ROOT"])
+import ddp_patches
+from ddp_patches import offload
+from ddp_patches.verify.parity import run_parity
+from ddp_patches.verify.raw_models import CheckpointStack, raw_batch
+backend = os.environ["BACKEND"]
+dist.init_process_group(backend)
+torch.cuda.set_device(0)
+os.environ["DDP_PATCHES_DEVICE"], os.environ["LOCAL_RANK"] = "cuda", "0"  # every rank on the one GPU
+ddp_patches.apply()  # offload "auto": on, because distributed and on CUDA
+off = offload.current()
+if backend == "nccl":
+    off.gate = lambda: True  # one NCCL rank: world size 1, gate forced on
+r = run_parity(lambda: CheckpointStack(depth=4, width=256).double(), raw_batch, torch.cat,
+               lambda m, x: m(x[:, :-1]).pow(2).mean(), ddp_kwargs={}, accum=2)
+print("RESULT", dist.get_rank(), r.max_rel_error, r.ranks_in_sync, off.stats.offloaded_tensors
+      + (off.last_step.offloaded_tensors if off.last_step else 0), flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("backend,nproc", [("gloo", 2), ("nccl", 1)], ids=["two-gloo-ranks-one-gpu", "one-nccl-rank"])
+def test_ddp_on_one_gpu(tmp_path, backend, nproc):
+    script = tmp_path / "ddp_offload.py"
+    script.write_text(DDP_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                          f"--master_port={_free_port()}", str(script)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "ROOT": ROOT, "BACKEND": backend,
+                                           "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")})
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(rows) == nproc, out.stderr[-4000:]
+    for _, rank, err, in_sync, moved in rows:
+        assert float(err) < 1e-12 and in_sync == "True" and int(moved) > 0
