@@ -19,21 +19,12 @@ from torch.utils.checkpoint import checkpoint
 import ddp_patches
 from ddp_patches import offload
 from ddp_patches.pinned_pool import size_class
-from ddp_patches.verify.cpu_offload import cpu_path_offloader
+from ddp_patches.verify.cpu_offload import cpu_path_offloader, forced, offloading
 from ddp_patches.verify.raw_models import CheckpointStack, raw_batch
 
 MIB = 1 << 20
 
 
-def forced(**kwargs) -> offload.CheckpointInputOffloader:
-    return cpu_path_offloader(single_process=True, **kwargs)
-
-
-@contextlib.contextmanager
-def offloading(offloader):
-    """apply() installs the generator patch; the injected offloader replaces the default one."""
-    with ddp_patches.patched(), offload.use_offloader(offloader):
-        yield offloader
 
 
 def stack_grads(model: nn.Module, x: torch.Tensor, seed: int = 0) -> list[torch.Tensor]:

@@ -6,7 +6,6 @@ No run has been made yet: no GPU has been lent to this project's sessions (READM
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import subprocess
@@ -19,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
 from ddp_patches import offload
+from ddp_patches.verify.cpu_offload import offloading
 from tests.harness import ROOT, _free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (offload moves GPU "
@@ -49,12 +49,6 @@ def gpu_offloader(**kwargs) -> offload.CheckpointInputOffloader:
     return offload.CheckpointInputOffloader(gate=lambda: True, min_bytes=0, **kwargs)
 
 
-@contextlib.contextmanager
-def offloading(offloader):
-    with ddp_patches.patched(), offload.use_offloader(offloader):
-        yield offloader
-
-
 def stack(depth: int = 6, width: int = 1024) -> nn.Module:
     torch.manual_seed(0)
     return nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)).to(DEV)
@@ -68,7 +62,8 @@ def step(blocks, x, *, poison: bool = False) -> list[torch.Tensor]:
         h = h + checkpoint(block, h, use_reentrant=False)
     if poison:  # freed device blocks are handed out again and filled with NaN before backward starts
         junk = [torch.full((h.numel(),), float("nan"), device=DEV, dtype=h.dtype) for _ in range(len(blocks))]
-        del junk
+        assert len(junk) == len(blocks)
+        junk.clear()
     h.pow(2).mean().backward()
     torch.cuda.synchronize()
     return [p.grad.clone() for p in blocks.parameters()]

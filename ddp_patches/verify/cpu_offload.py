@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 from ddp_patches.offload import CheckpointInputOffloader
 
 
@@ -13,3 +16,18 @@ def cpu_path_offloader(*, single_process: bool = False, **kwargs) -> CheckpointI
     if single_process:
         kwargs["gate"] = lambda: True
     return CheckpointInputOffloader(should_offload=lambda t: True, **kwargs)
+
+
+def forced(**kwargs) -> CheckpointInputOffloader:
+    """The CPU-path offloader, on in a single process too."""
+    return cpu_path_offloader(single_process=True, **kwargs)
+
+
+@contextlib.contextmanager
+def offloading(offloader: CheckpointInputOffloader) -> Iterator[CheckpointInputOffloader]:
+    """apply() installs the generator patch; ``offloader`` replaces the default one inside the block."""
+    import ddp_patches
+    from ddp_patches import offload
+
+    with ddp_patches.patched(), offload.use_offloader(offloader):
+        yield offloader
