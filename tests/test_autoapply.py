@@ -86,3 +86,12 @@ def test_every_torchrun_rank_is_patched(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert [line.split()[1] for line in probes(out.stdout)] == ["0", "1"]
     assert all("(False, False) True" in line for line in probes(out.stdout))
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    path = shutil.which("ddp-patches-run")
+    assert path, "pip install -e . installs the ddp-patches-run console script (pyproject [project.scripts])"
+    out = run([path, "--help"])
+    assert out.returncode == 0 and "every Python process it starts" in out.stdout
