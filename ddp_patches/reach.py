@@ -88,14 +88,13 @@ class UnusedParameterEdges:
         ignored = getattr(ddp, "parameters_to_ignore", set())
         owners: dict[int, list[int]] = {}  # id(parameter) -> ids of the modules that hold it directly
         self._params: dict[int, tuple[str, nn.Parameter]] = {}
-        self._owner_modules: list[nn.Module] = []
+        self._owner_modules: dict[int, nn.Module] = {}
         for mod_name, module in ddp.module.named_modules(remove_duplicate=False):
             direct = [(n, p) for n, p in module._parameters.items() if p is not None and p.requires_grad]
             direct = [(n, p) for n, p in direct if f"{mod_name}.{n}".lstrip(".") not in ignored]
             if not direct:
                 continue
-            if all(m is not module for m in self._owner_modules):
-                self._owner_modules.append(module)
+            self._owner_modules[id(module)] = module
             for n, p in direct:
                 owners.setdefault(id(p), []).append(id(module))
                 self._params.setdefault(id(p), (f"{mod_name}.{n}".lstrip("."), p))
@@ -106,7 +105,7 @@ class UnusedParameterEdges:
         self.attached_last = 0
 
     def install(self, ddp: nn.Module) -> None:
-        for module in self._owner_modules:
+        for module in self._owner_modules.values():
             REGISTRY.add_handle(module.register_forward_pre_hook(self._ran_hook))
         REGISTRY.add_handle(ddp.register_forward_pre_hook(self._begin))
         REGISTRY.add_handle(ddp.module.register_forward_hook(self._attach))
@@ -144,7 +143,8 @@ class UnusedParameterEdges:
                        "ddp_patches: %d trainable parameter(s) were not used by this forward (e.g. %s); each gets "
                        "one zero-gradient edge so DDP's reducer sees its hook once (NOTE [Unused parameters "
                        "without find_unused_parameters] in ddp_patches/reach.py)", len(unused), unused[0][0])
-        aliased = _ZeroGradEdges.apply(len(slots), self._defined_zeros, *(leaves[i] for i in slots), *(p for _, p in unused))
+        aliased = _ZeroGradEdges.apply(len(slots), self._defined_zeros, *(leaves[i] for i in slots),
+                                       *(p for _, p in unused))
         for i, t in zip(slots, aliased):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)

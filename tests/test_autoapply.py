@@ -72,7 +72,8 @@ def test_without_the_runner_nothing_is_applied():
 
 def test_a_users_own_sitecustomize_still_runs(tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
-    code = "import os, torch, ddp_patches; print('PROBE', os.environ.get('USER_SITECUSTOMIZE'), ddp_patches.is_applied())"
+    code = ("import os, torch, ddp_patches; "
+            "print('PROBE', os.environ.get('USER_SITECUSTOMIZE'), ddp_patches.is_applied())")
     out = run([sys.executable, "-m", "ddp_patches.autoapply", sys.executable, "-c", code],
               env={"PYTHONPATH": str(tmp_path)})
     assert probes(out.stdout) == ["PROBE ran True"], out.stderr

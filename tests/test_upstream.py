@@ -34,7 +34,8 @@ def accelerate_script(name: str) -> str:
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 @pytest.mark.parametrize("script", ["test_sync.py", "gpu-gated sections"])
 def test_accelerate_test_sync(script, patched):
-    path = accelerate_script(script) if script == "test_sync.py" else os.path.join(UPSTREAM, "accelerate_sync_sections.py")
+    sections = os.path.join(UPSTREAM, "accelerate_sync_sections.py")
+    path = accelerate_script(script) if script == "test_sync.py" else sections
     # ACCELERATE_USE_CPU: without it every CPU rank silently trains alone (FACTS) and nothing is tested.
     out = run_bounded(torchrun(path, patched=patched), timeout=240, env={"ACCELERATE_USE_CPU": "true"})
     assert out.returncode == 0, out.stderr[-4000:]
