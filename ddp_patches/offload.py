@@ -215,8 +215,9 @@ class _SyncCopier:
         pass
 
 
-class _StreamCopier:
-    """Asynchronous copies on one side stream per device (NOTE [Copies, streams and lifetimes])."""
+class _StreamCopier(_SyncCopier):
+    """Asynchronous copies on one side stream per CUDA device (NOTE [Copies, streams and lifetimes]); tensors on
+    other devices (the CPU tests, run on a GPU host) are copied in order, as by ``_SyncCopier``."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -227,6 +228,8 @@ class _StreamCopier:
         return self._streams[device]
 
     def to_host(self, h: _Offloaded) -> None:
+        if h.device.type != "cuda":
+            return super().to_host(h)
         stream = self.stream(h.device)
         stream.wait_stream(torch.cuda.current_stream(h.device))
         with torch.cuda.stream(stream):
@@ -234,6 +237,8 @@ class _StreamCopier:
         h.source.record_stream(stream)  # the block is not reused before the side stream passes the copy
 
     def to_device(self, h: _Offloaded, out: torch.Tensor):
+        if h.device.type != "cuda":
+            return super().to_device(h, out)
         stream = self.stream(h.device)
         stream.wait_stream(torch.cuda.current_stream(h.device))  # ``out`` may reuse memory still being read
         with torch.cuda.stream(stream):

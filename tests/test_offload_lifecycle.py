@@ -279,3 +279,16 @@ def test_copies_and_buffers_are_kept_per_device(monkeypatch):
             h = checkpoint(block, h, use_reentrant=False)
         h.sum().backward()
     assert seen == [torch.device("cpu")] * 2  # the tensor's own device keys the free list
+
+
+def test_stream_copier_copies_non_cuda_tensors_in_order():
+    """On a GPU host the default copier is the stream one; CPU tensors (the CPU-path tests) must not reach CUDA."""
+    torch.manual_seed(0)
+    model = CheckpointStack(depth=4).double()
+    x = torch.randn(8, 20, dtype=torch.float64)
+    with ddp_patches.patched():
+        expected = grads(model, x)
+    with offloading(forced(copier=offload._StreamCopier())) as off:
+        got = grads(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert off.stats.offloaded_tensors == 3 and not off.copier._streams
