@@ -77,7 +77,7 @@ def would_change(tiled_mlp: bool = False) -> list[str]:
     changes = [
         "torch.utils.checkpoint.CheckpointFunction: reentrant checkpoints run as use_reentrant=False",
         "DistributedDataParallel.__init__: settings kept as given; with find_unused_parameters=False or static_graph, "
-        "a trainable parameter whose module did not run in a forward gets a zero-gradient edge",
+        "a trainable parameter a forward's outputs cannot reach gets a zero-gradient edge",
         "DistributedDataParallel.no_sync: the first static-graph backward is synchronised",
         "each DDP forward: raises if the trainable parameter set changed after wrapping",
         "torch.distributed.destroy_process_group: first releases the reducers of DDPs built on that group",

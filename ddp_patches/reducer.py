@@ -49,7 +49,7 @@ class TrainableParametersChangedError(RuntimeError):
 # it also cost every step an extra all-reduce and the bucket rebuild, and hid an explicit Trainer
 # ``ddp_find_unused_parameters=False`` (accelerate drops default values, so DDP never sees it as explicit).
 # What the flag was for -- a trainable parameter without a gradient on some rank -- is now handled in the
-# forward by ``reach`` (edges only for parameters whose module did not run, only when the reducer does not
+# forward by ``reach`` (edges only for parameters the outputs cannot reach, only when the reducer does not
 # search itself), so the setting the user, the Trainer or TRL chose is passed to DDP untouched. With
 # non-reentrant checkpointing (ddp_patches.checkpointing) both values of the flag and static_graph train.
 class TrainableGuard:

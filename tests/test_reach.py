@@ -138,3 +138,26 @@ def accelerate_style_sync(patched: bool) -> bool:
 @pytest.mark.parametrize("patched", [False, True])
 def test_trigger_sync_in_backward_pattern(pool, patched):
     assert pool.run(accelerate_style_sync, patched=patched) == [True, True]
+
+
+def ran_but_unused_case(static_graph: bool, accum: int, patched: bool) -> dict:
+    import contextlib
+
+    from ddp_patches.verify.raw_models import raw_parity
+
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
+        return raw_parity("ran_but_unused", use_reentrant=True, ddp_kwargs={"static_graph": static_graph},
+                          accum=accum).as_dict()
+
+
+@pytest.mark.parametrize("static_graph,accum", [(False, 1), (False, 2), (True, 2)])
+def test_a_layer_that_runs_and_feeds_nothing_trains_with_ddp_defaults(pool, static_graph, accum):
+    for r in pool.run(ran_but_unused_case, static_graph=static_graph, accum=accum, patched=True):
+        assert r["max_rel_error"] <= 1e-9 and r["ranks_in_sync"]
+
+
+def test_a_layer_that_runs_and_feeds_nothing_fails_unpatched(pool):
+    from tests.harness import RankError
+
+    with pytest.raises(RankError, match="finished reduction in the prior iteration"):
+        pool.run(ran_but_unused_case, static_graph=False, accum=1, patched=False)

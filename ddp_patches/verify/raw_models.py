@@ -87,6 +87,20 @@ class UnusedOnSomeRanks(CheckpointOnce):
         return out
 
 
+class RanButUnused(CheckpointOnce):
+    """A layer that runs every step and feeds nothing: Llava takes its image features from the vision tower's
+    layer -2, so the last layer's parameters never get a gradient although their module ran."""
+
+    def __init__(self, use_reentrant: bool = True):
+        super().__init__(use_reentrant)
+        self.last = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = self.l1(x)
+        self.last(h)  # computed, never used
+        return checkpoint(self.l2, h, use_reentrant=self.use_reentrant)
+
+
 class _HiddenReentrant(torch.autograd.Function):
     """A home-made reentrant checkpoint (as in unsloth or older Megatron): forward under no_grad, recompute and
     ``torch.autograd.backward`` inside backward, so its parameters' hooks fire in a nested graph task."""
@@ -144,6 +158,7 @@ RAW_MODULES = {
     "no_grad_input": CheckpointNoGradInput,
     "unused_on_some_ranks": UnusedOnSomeRanks,
     "hidden_reentrant": HiddenReentrant,
+    "ran_but_unused": RanButUnused,
 }
 
 
