@@ -104,7 +104,7 @@ def _patched_ddp_init(original_init):
 
 def _log_settings(ddp: DDP, edges: bool) -> None:
     settings = ", ".join(f"{k}={getattr(ddp, k, None)}" for k in _REPORTED if hasattr(ddp, k))
-    how = ("parameters unused in a forward get a zero-gradient edge (ddp_patches.reach)" if edges
+    how = ("parameters a forward cannot reach get a zero-gradient edge (ddp_patches.reach)" if edges
            else "unused parameters are found by DDP itself")
     log_rank0_once(f"ddp-settings:{settings}", logging.INFO,
                    "ddp_patches: DistributedDataParallel built with %s (as given); %s", settings, how)

@@ -4,8 +4,8 @@
 # Seen here (TRL's sft.py, 2 gloo ranks, unpatched, py-spy): the main thread frees the Trainer's DDP, pybind11
 # deallocates its ``Reducer`` with the GIL held (``dealloc_without_manipulating_gil``), ``~Reducer`` drops the last
 # reference to the process group, and ``~ProcessGroupGloo`` joins the group's worker threads -- while one worker is
-# still destroying its last finished ``AsyncAllgatherWork``, whose tensor decref needs the GIL. A deadlock, in
-# about one run of six, with or without this library. torch guards the process group's own Python handle against
+# still destroying its last finished ``AsyncAllgatherWork``, whose tensor decref needs the GIL. A deadlock, with
+# or without this library (reported in one run of six; about one in eighteen here). torch guards the process group's own Python handle against
 # exactly this (its holder releases the GIL before the destructor runs); the Reducer's holder does not. It
 # happens whenever a DDP outlives ``destroy_process_group`` -- transformers >= 5.18 calls it from ``trainer.end()``
 # while the Trainer still holds the DDP model.
@@ -71,9 +71,9 @@ def _patched_destroy_process_group(original):
     def destroy_process_group(group=None, *args, **kwargs):
         if dist.is_initialized():
             for ddp in list(_live):
-                if _uses(ddp, group) and not isinstance(getattr(ddp, "reducer", None), ReleasedReducer):
+                if _uses(ddp, group):
                     release(ddp)
-                    _live.discard(ddp)
+                    _live.discard(ddp)  # released once: a later destroy_process_group() leaves it alone
                     logger.debug("ddp_patches: released a DDP reducer before destroy_process_group")
         return original(group, *args, **kwargs)
 
