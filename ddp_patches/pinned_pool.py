@@ -124,14 +124,6 @@ class PinnedBufferPool:
     def free_bytes(self) -> int:
         return self.owned_bytes - self.in_use_bytes
 
-    def clear(self) -> None:
-        """Forget every free buffer (buffers still in use stay with their holders). torch's caching host
-        allocator keeps what it reserved; this only lets the pool's own count start again."""
-        for by_class in self._free.values():
-            for size, bufs in by_class.items():
-                self.owned_bytes -= size * len(bufs)
-        self._free.clear()
-
     @staticmethod
     def _take_free(by_class: dict[int, list[torch.Tensor]], wanted: int) -> torch.Tensor | None:
         if by_class.get(wanted):
