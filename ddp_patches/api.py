@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import checkpointing as _checkpointing_patch
+from . import engines as _engines
 from . import offload as _offload_patch
 from . import reducer as _reducer_patch
 from . import tiled_mlp as _tiled_mlp_patch
@@ -27,10 +28,11 @@ class ApplyReport:
     installed: tuple[str, ...]
     options: dict = field(default_factory=dict)
     notes: tuple[str, ...] = ()  # what was asked for but cannot act here, and why
+    engine: str = ""  # the engine the launch sets up, and which patches act under it (ddp_patches.engines)
 
     def __str__(self) -> str:
         text = "ddp_patches installed: " + (", ".join(self.installed) or "nothing")
-        return text + "".join(f"; {note}" for note in self.notes)
+        return text + "".join(f"; {note}" for note in (*self.notes, self.engine) if note)
 
 
 _state: dict[str, ApplyReport | None] = {"report": None}
@@ -49,7 +51,9 @@ def apply(
     """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
 
     Nothing changes in a process that is not distributed: every patch asks at call time whether a process
-    group with world size > 1 exists. Calling apply() again with the same options does nothing; with other
+    group with world size > 1 exists, and which engine runs the model it acts for (DDP, FSDP2, FSDP1,
+    DeepSpeed, torch.compile); it acts only under the engines where it is proven and otherwise steps aside
+    with one WARNING line (NOTE [Engines] in ddp_patches/engines.py; the report names the expected engine). Calling apply() again with the same options does nothing; with other
     options it reverts and re-applies.
 
     Args:
@@ -93,12 +97,15 @@ def apply(
                 min_bytes=options["offload_min_bytes"],
                 max_pinned_bytes=options["offload_max_pinned_bytes"],
             )
+        notice = _engines.install_compile_notice()
+        if notice is not None:
+            REGISTRY.add_handle(notice)
     except BaseException:
         REGISTRY.restore_all()  # all or nothing
         raise
     _warn_ignored(options)
     notes = [] if options["offload"] is False else [versions.offload_unsupported_reason()]
-    report = ApplyReport(tuple(installed), options, tuple(n for n in notes if n))
+    report = ApplyReport(tuple(installed), options, tuple(n for n in notes if n), _engines.summary())
     _state["report"] = report
     log_rank0_once("apply-report", logging.INFO, "%s", report)
     return report
@@ -112,6 +119,7 @@ def revert() -> list[str]:
     restored = REGISTRY.restore_all()
     _state["report"] = None
     reset_log_once()
+    _engines.forget()
     return restored
 
 

@@ -33,6 +33,7 @@ import logging
 import torch.distributed as torch_distributed
 import torch.utils.checkpoint as torch_checkpoint
 
+from . import engines
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -47,8 +48,13 @@ def _make_non_reentrant_under_ddp(original_cls: type) -> type:
     class CheckpointFunction(original_cls):  # same name: error messages and grad_fn names read as usual
         @classmethod
         def apply(cls, function, preserve_rng_state, *args):  # the only call site is checkpoint()'s
-            if not is_distributed():
-                # Single process: exactly the original call, so results are bit-identical to no apply().
+            if not is_distributed() or engines.compiling():
+                # Single process: exactly the original call, so results are bit-identical to no apply(). Under
+                # dynamo: silent here (a log call would break the graph); the compile notice says it once.
+                return original_cls.apply(function, preserve_rng_state, *args)
+            engine = engines.of_function(function)  # NOTE [Recompute decides as the forward did]
+            if not engines.acts("checkpointing", engine):
+                engines.step_aside("checkpointing", engine)
                 return original_cls.apply(function, preserve_rng_state, *args)
             log_rank0_once(
                 "checkpoint-swap",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import api, versions
+from . import api, engines, versions
 
 _PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes")
 _TOWER = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|image_encoder)(\.|$)")
@@ -45,6 +45,7 @@ class Diagnosis:
     applied: bool
     would_change: list[str]
     findings: list[Finding] = field(default_factory=list)
+    engine: str = ""  # ddp_patches.engines.summary(): the expected engine and what acts under it
 
     def codes(self) -> list[str]:
         return [f.code for f in self.findings]
@@ -56,6 +57,7 @@ class Diagnosis:
         lines = ["ddp_patches doctor", "versions: " + ", ".join(f"{k} {v or 'not installed'}"
                                                                 for k, v in self.versions.items()),
                  f"world size {self.world_size}, backend {self.backend}, ddp_patches applied: {self.applied}",
+                 self.engine,
                  "apply() would change (each only while world size > 1):"]
         lines += [f"  - {c}" for c in self.would_change]
         lines.append(f"findings: {len(self.findings) or 'none'}")
@@ -82,6 +84,8 @@ def would_change(tiled_mlp: bool = False) -> list[str]:
         "each DDP forward: raises if the trainable parameter set changed after wrapping",
         "torch.distributed.destroy_process_group: first releases the reducers of DDPs built on that group",
         "non-reentrant checkpoints: inputs offloaded to pinned host memory (CUDA only, torch >= 2.8; offload='auto')",
+        "each patch acts only under the engines it is proven for (checkpoint swap and reducer: DDP; offload and "
+        "tiled MLP: DDP and FSDP2) and steps aside elsewhere with one WARNING line",
     ]
     if tiled_mlp:
         changes.append("gate/up/down MLPs of the supported families: tiled along the tokens")
@@ -95,7 +99,7 @@ def diagnose(model: Any = None, args: Any = None, *, tiled_mlp: bool = False) ->
         world = torch.distributed.get_world_size()
     found = installed_versions()
     d = Diagnosis(found, world, "nccl" if torch.cuda.is_available() else "gloo", api.is_applied(),
-                  would_change(tiled_mlp))
+                  would_change(tiled_mlp), engine=engines.summary())
     d.findings += _version_findings(found)
     d.findings += _launch_findings(world, args)
     d.findings += _checkpoint_findings(model, args)

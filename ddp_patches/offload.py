@@ -78,6 +78,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from . import engines as _engines
 from . import versions
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
@@ -262,6 +263,8 @@ class CheckpointInputOffloader:
         should_offload: which devices' tensors to move (default: CUDA tensors). CPU tests pass ``lambda t: True``
             to run the real code path, copying CPU tensors into separate host storage.
         gate: whether the hooks are pushed at all at a checkpoint call (default: ``is_distributed``).
+        engines: the engines (``ddp_patches.engines``) under which it acts (default: DDP and FSDP2; NOTE
+            [Engines]); None: under any, which the single-process CPU test path uses.
         explicit: offload=True was asked for; reasons for being inert are then warnings, not debug lines.
         copier: how tensors cross between device and host (default: side streams on CUDA, in-order otherwise);
             tests inject one that models a copy still in flight.
@@ -278,12 +281,14 @@ class CheckpointInputOffloader:
         explicit: bool = False,
         copier=None,
         pool: PinnedBufferPool | None = None,
+        engines: tuple[str, ...] | None = _engines.ACTS_UNDER["offload"],
     ) -> None:
         self.min_bytes = min_bytes
         self._no_cuda = should_offload is None and not torch.cuda.is_available()  # the default needs CUDA
         self.should_offload = should_offload or (lambda t: t.device.type == "cuda")
         self.gate = gate or is_distributed
         self.explicit = explicit
+        self.engines = engines
         cap = default_cap_bytes() if max_pinned_bytes is None else max_pinned_bytes
         self.pool = pool or PinnedBufferPool(cap, pin=torch.cuda.is_available())
         self._copier = copier
@@ -295,9 +300,9 @@ class CheckpointInputOffloader:
         self._unpacked = False  # a backward reached this window's inputs (NOTE [Step windows])
 
     # -- when to push the hooks ------------------------------------------------------------------------------
-    def wants_hooks(self) -> bool:
-        """Push pack/unpack around this checkpoint call? (See NOTE [What the outer hook sees].)"""
-        if not torch.is_grad_enabled() or _in_backward():
+    def wants_hooks(self, fn=None) -> bool:
+        """Push pack/unpack around the checkpoint of ``fn``? (See NOTE [What the outer hook sees].)"""
+        if not torch.is_grad_enabled() or _in_backward() or _engines.compiling():
             return False
         if not self.gate():
             self._inert("single-process", "the process is not distributed (world size 1)")
@@ -305,6 +310,11 @@ class CheckpointInputOffloader:
         if self._no_cuda:
             self._inert("no-cuda", NO_CUDA)
             return False
+        if self.engines is not None:
+            engine = _engines.of_function(fn)
+            if engine not in self.engines:
+                _engines.step_aside("offload", engine)
+                return False
         return _hook_stack_free()
 
     @contextlib.contextmanager
@@ -514,7 +524,7 @@ def use_offloader(offloader: CheckpointInputOffloader) -> Iterator[CheckpointInp
 def _make_offloading_generator(original):
     def _checkpoint_without_reentrant_generator(fn, *args, **kwargs):
         offloader = _active["offloader"]
-        if offloader is None or not offloader.wants_hooks():
+        if offloader is None or not offloader.wants_hooks(fn):
             return (yield from original(fn, *args, **kwargs))
         with offloader.hooks():
             return (yield from original(fn, *args, **kwargs))

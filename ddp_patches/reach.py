@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import engines
 from ._registry import REGISTRY
 from .distributed import log_rank0_once
 
@@ -142,7 +143,8 @@ class UnusedParameterEdges:
 
     def _begin(self, ddp, args) -> None:
         self._ran_no_grad.clear()
-        self._active = torch.is_grad_enabled()
+        # Under dynamo the walk cannot run (no autograd graph while tracing): step aside (NOTE [Engines]).
+        self._active = torch.is_grad_enabled() and not engines.compiling()
 
     def _end(self, ddp, args, output) -> None:
         self._active = False

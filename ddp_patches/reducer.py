@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import reach, teardown
+from . import engines, reach, teardown
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -59,7 +59,7 @@ class TrainableGuard:
         self.expected = _trainable_names(ddp)
 
     def __call__(self, ddp: DDP, args: Any) -> None:
-        if not (ddp.training and torch.is_grad_enabled()):
+        if not (ddp.training and torch.is_grad_enabled()) or engines.compiling():
             return
         current = _trainable_names(ddp)
         if current != self.expected:

@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from . import engines
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -165,8 +166,13 @@ def _autocast_state(device_type: str) -> tuple:
 
 def _make_tiled_forward(original_forward: Callable) -> Callable:
     def forward(self, x, *args, **kwargs):
-        if args or kwargs or _settings["untiled"] or not torch.is_grad_enabled() or not is_distributed():
+        if args or kwargs or _settings["untiled"] or not torch.is_grad_enabled() or not is_distributed() \
+                or engines.compiling():  # under dynamo: silent (a log call breaks the graph); NOTE [Engines]
             return original_forward(self, x, *args, **kwargs)
+        engine = engines.of_module(self)
+        if not engines.acts("tiled_mlp", engine):
+            engines.step_aside("tiled_mlp", engine)
+            return original_forward(self, x)
         if not all(hasattr(self, name) for name in _GATED):
             log_rank0_once("tiled-shape-" + type(self).__qualname__, logging.INFO,
                            "ddp_patches: %s has no gate_proj/up_proj/down_proj; it runs untiled",

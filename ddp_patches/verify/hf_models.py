@@ -126,8 +126,8 @@ def lm_loss(model, batch: dict) -> torch.Tensor:
 
 
 def lm_parity(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, ddp_kwargs: dict | None = None,
-              accum: int = 1, iters: int = 2, reference_context=contextlib.nullcontext):
-    from .parity import run_parity
+              accum: int = 1, iters: int = 2, reference_context=contextlib.nullcontext, wrap=None):
+    from .parity import DDP, run_parity
 
     return run_parity(
         lambda: build_lora_model(family, ckpt_kwargs, qlora=qlora),
@@ -139,6 +139,7 @@ def lm_parity(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, ddp_
         iters=iters,
         lr=0.5,
         reference_context=reference_context,
+        wrap=wrap or DDP,
     )
 
 

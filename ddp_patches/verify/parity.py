@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .. import engines
 from .device import device, to_device
 
 Batch = Any
@@ -55,12 +56,14 @@ def run_parity(
     lr: float = 0.05,
     seed: int = 1234,
     reference_context: Callable[[], Any] = contextlib.nullcontext,
+    wrap: Callable[..., nn.Module] = DDP,
 ) -> ParityResult:
     """Train ``iters`` optimizer steps under DDP and on a local full-batch replica; compare every step.
 
     ``make_batch(rank, iteration, micro_step)`` must be deterministic; ``combine`` concatenates the ranks'
     batches into the global one; ``loss_fn`` must be a mean over the batch (DDP averages over ranks).
-    ``reference_context`` wraps the reference's forward and backward (e.g. ``tiled_mlp.untiled``).
+    ``reference_context`` wraps the reference's forward and backward (e.g. ``tiled_mlp.untiled``). ``wrap`` builds
+    the distributed model from the local one and the DDP kwargs (default: DDP; e.g. ``torch.compile`` around it).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
@@ -69,7 +72,7 @@ def run_parity(
     torch.manual_seed(seed)
     reference = build().to(dev)
     placement = {"device_ids": [dev.index]} if dev.type == "cuda" else {}
-    ddp = DDP(model, **placement, **(ddp_kwargs or {}))
+    ddp = wrap(model, **placement, **(ddp_kwargs or {}))
     opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=lr)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=lr)
     result = ParityResult()
@@ -80,7 +83,7 @@ def run_parity(
                 loss = loss_fn(ddp, to_device(make_batch(rank, it, micro), dev)) / accum
                 loss.backward()
             global_batch = to_device(combine([make_batch(r, it, micro) for r in range(world)]), dev)
-            with reference_context():
+            with reference_context(), engines.acting_as(engines.DDP):  # the replica stands in for the DDP model
                 (loss_fn(reference, global_batch) / accum).backward()
             result.losses.append(float(loss.detach()))
         for (name, p), (_, q) in zip(ddp.module.named_parameters(), reference.named_parameters()):

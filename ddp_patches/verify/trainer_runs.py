@@ -28,12 +28,13 @@ def train(
     layers: int = 2,
     lora_on_vision: bool = False,
     text_only_rank: int | None = None,
+    args_extra: dict | None = None,
 ) -> dict:
     """Run ``steps`` optimizer steps; return final loss, whether it is finite, and LoRA equality across ranks.
 
     Checkpointing is enabled through the training arguments (``gradient_checkpointing=True`` with
     ``ckpt_kwargs``), the way users do it; ``find_unused``/``static_graph`` are the ddp_* arguments, None
-    meaning not set.
+    meaning not set. ``args_extra``: more training arguments (``torch_compile=True``, ...).
     """
     from transformers import Trainer, TrainingArguments
 
@@ -68,6 +69,7 @@ def train(
         disable_tqdm=True,
         seed=0,
         remove_unused_columns=not vlm,
+        **(args_extra or {}),
     )
     with tempfile.TemporaryDirectory(prefix="ddp_patches_train_") as out:
         if kind == "trainer":

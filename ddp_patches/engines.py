@@ -1,0 +1,299 @@
+"""Which engine runs the model a patch is acting for, decided at call time, and where each patch acts.
+
+# NOTE [Engines]
+# Every patch was written for, and is proven under, particular engines; under any other it steps aside and
+# says why, once, at WARNING on rank 0 (``step_aside``). "Proven" means a test with gradient parity against a
+# single process (README, engine table):
+#   * the checkpoint swap fixes DDP's reducer (NOTE [Why non-reentrant]) and acts only inside a DDP forward.
+#     FSDP2 has no reducer to confuse: reentrant checkpoints train there with parity, so the user's choice is
+#     kept. Under DeepSpeed ZeRO-3, non-reentrant checkpoints are reported to fail on partitioned frozen weights
+#     (CheckpointError ... shape [0]) and TRL forces reentrant for PEFT there: never overridden.
+#   * offload (saved-tensor hooks on checkpoint inputs) and the tiled MLP (an autograd.Function whose backward
+#     returns the parameters' gradients once) hold under DDP and FSDP2 (FSDP2's unsharded parameters are
+#     ordinary tensors during forward and are unsharded again before the layer's backward).
+#   * the reducer patches are DDP's by construction.
+#   * under torch.compile, dynamo traces checkpoints as its own operator: neither CheckpointFunction nor the
+#     non-reentrant generator runs, so swap and offload cannot act inside compiled code, and the tiled MLP and the
+#     reachability walk step aside while dynamo traces. Compiled DDP trains with parity without them.
+#
+# How the engine is found, cheapest first:
+#   1. ``torch.compiler.is_compiling()``: dynamo is tracing this code.
+#   2. DeepSpeed ZeRO-3: transformers' ``is_deepspeed_zero3_enabled()`` (an ``HfDeepSpeedConfig`` is alive; no
+#      engine needs to run) or partitioned parameters (``ds_id``) on the module.
+#   3. DDP: ``DistributedDataParallel._active_ddp_module``, which DDP itself sets for the length of its forward
+#      (dynamo's DDPOptimizer reads the same marker), so no hook of ours is needed.
+#   4. FSDP2 / FSDP1: the module lies under a module that ``fully_shard`` (or FSDP1) registered in torch's
+#      composable-state table, or holds FSDP1's flattened parameters. Cached per module.
+#   5. none of these: "no engine" (a model outside any wrapper, or an engine this library does not know).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .distributed import log_rank0_once
+
+logger = logging.getLogger("ddp_patches")
+
+DDP = "DDP"
+FSDP2 = "FSDP2"
+FSDP1 = "FSDP1"
+DEEPSPEED = "DeepSpeed"
+COMPILE = "torch.compile"
+NONE = "no engine"
+
+# Where each patch acts; every cell is a test (README "Engines").
+ACTS_UNDER: dict[str, tuple[str, ...]] = {
+    "checkpointing": (DDP,),
+    "reducer": (DDP,),
+    "offload": (DDP, FSDP2),
+    "tiled_mlp": (DDP, FSDP2),
+}
+
+_WHY: dict[tuple[str, str], str] = {
+    ("checkpointing", FSDP2): "FSDP2 has no DDP reducer; reentrant checkpoints train there with gradient parity, "
+                              "so they stay as asked (offload acts only on non-reentrant ones: pass "
+                              "use_reentrant=False to offload them)",
+    ("checkpointing", DEEPSPEED): "non-reentrant checkpoints are reported to fail under ZeRO-3 on partitioned frozen "
+                                  "weights (CheckpointError ... shape [0]) and TRL forces reentrant for PEFT there",
+    ("checkpointing", COMPILE): "dynamo traces checkpoints as its own operator; compiled DDP trains with reentrant "
+                                "checkpoints as they are",
+    ("checkpointing", NONE): "no DistributedDataParallel forward is running (the model is not wrapped in DDP, or "
+                             "runs under an engine this library does not know)",
+}
+
+
+def _why(patch: str, engine: str) -> str:
+    if (patch, engine) in _WHY:
+        return _WHY[(patch, engine)]
+    if engine == COMPILE:
+        return "dynamo is tracing this code; compiled code runs without it"
+    if engine == NONE:
+        return "the model runs under no engine this library has proven it under (DDP, FSDP2)"
+    return f"it is not proven under {engine}"
+
+
+def acts(patch: str, engine: str) -> bool:
+    return engine in ACTS_UNDER[patch]
+
+
+def step_aside(patch: str, engine: str) -> None:
+    """One WARNING line on rank 0, once per process, patch and engine."""
+    log_rank0_once(f"engine-{patch}-{engine}", logging.WARNING,
+                   "ddp_patches: %s steps aside under %s: %s (NOTE [Engines] in ddp_patches/engines.py)",
+                   _LABELS.get(patch, patch), engine, _why(patch, engine))
+
+
+_LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)", "offload": "activation offload",
+           "tiled_mlp": "the tiled MLP", "reducer": "the reachability edges"}
+
+
+# -- detection -------------------------------------------------------------------------------------------------
+# NOTE [Recompute decides as the forward did]
+# DDP's forward marker is unset during backward, but a non-reentrant checkpoint re-runs its region's forward code
+# there (recomputation): a tiled MLP or a nested checkpoint inside it is called again and must take the same path
+# as in the forward, or the region saves different tensors than it did (CheckpointError: "Recomputed values ...
+# have different metadata"). So the engine found in a forward is kept per module, and a call made while a
+# backward runs reuses it.
+_decided: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+_last: dict[str, str | None] = {"engine": None}
+
+
+def of_module(module: nn.Module | None) -> str:
+    """The engine running ``module`` now (None: only what the process says, without a module)."""
+    if compiling():
+        return COMPILE
+    if torch._C._current_graph_task_id() != -1:  # inside backward: recomputation
+        kept = _decided.get(module) if module is not None else None
+        if kept is not None or _last["engine"] is not None:
+            return kept or _last["engine"]
+    engine = _detect(module)
+    if module is not None:
+        _decided[module] = engine
+    _last["engine"] = engine
+    return engine
+
+
+def forget() -> None:
+    """Drop the decisions kept for recomputation (revert() calls it)."""
+    _decided.clear()
+    _last["engine"] = None
+
+
+_stand_in: list[str] = []
+
+
+@contextlib.contextmanager
+def acting_as(engine: str) -> Iterator[None]:
+    """Inside this block the patches treat every module as run by ``engine``. For a single-process replica that
+    stands in for a distributed model (gradient-parity references): the patches then act on the replica exactly
+    as on the model it is compared with."""
+    _stand_in.append(engine)
+    try:
+        yield
+    finally:
+        _stand_in.pop()
+
+
+def _detect(module: nn.Module | None) -> str:
+    if _stand_in:
+        return _stand_in[-1]
+    if deepspeed_zero3() or (module is not None and _has_partitioned_parameters(module)):
+        return DEEPSPEED
+    if ddp_forward_active():
+        return DDP
+    if module is not None:
+        return _sharded_engine(module) or NONE
+    return NONE
+
+
+def of_function(function: Any) -> str:
+    """The engine running the module behind a checkpointed function (see ``module_of``)."""
+    return of_module(module_of(function))
+
+
+def module_of(function: Any) -> nn.Module | None:
+    """The module behind ``function``: itself, the owner of a bound method, or a partial's first positional
+    argument (transformers >= 5 checkpoints ``partial(forward, layer, **kwargs)``)."""
+    for _ in range(4):
+        if isinstance(function, nn.Module):
+            return function
+        owner = getattr(function, "__self__", None)
+        if isinstance(owner, nn.Module):
+            return owner
+        if isinstance(function, functools.partial):
+            if function.args and isinstance(function.args[0], nn.Module):
+                return function.args[0]
+            function = function.func
+        else:
+            function = getattr(function, "__wrapped__", None)
+        if function is None:
+            return None
+    return None
+
+
+def compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def ddp_forward_active() -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module() is not None
+
+
+def deepspeed_zero3() -> bool:
+    """transformers' own ZeRO-3 switch (an HfDeepSpeedConfig is alive); never imports transformers."""
+    integration = sys.modules.get("transformers.integrations.deepspeed")
+    return bool(integration is not None and integration.is_deepspeed_zero3_enabled())
+
+
+def _has_partitioned_parameters(module: nn.Module) -> bool:
+    first = next(module.parameters(), None)
+    return first is not None and hasattr(first, "ds_id")
+
+
+_sharded_cache: "weakref.WeakKeyDictionary[nn.Module, tuple[int, str | None]]" = weakref.WeakKeyDictionary()
+
+
+def _sharded_engine(module: nn.Module) -> str | None:
+    """FSDP2 or FSDP1 when ``module`` lies under a module either registered, else None. Cached per module until
+    the registry changes size (a model sharded after the first call is still found)."""
+    from torch.distributed import _composable_state
+
+    table = _composable_state._module_state_mapping
+    cached = _sharded_cache.get(module)
+    if cached is not None and cached[0] == len(table):
+        return cached[1]
+    found = _find_sharded(module, table)
+    _sharded_cache[module] = (len(table), found)
+    return found
+
+
+def _find_sharded(module: nn.Module, table) -> str | None:
+    from torch.distributed.fsdp._common_utils import _FSDPState
+
+    for root, state_ref in list(table.items()):
+        state = state_ref()
+        if state is None or not any(m is module for m in root.modules()):
+            continue
+        return FSDP1 if isinstance(state, _FSDPState) else FSDP2
+    if isinstance(module, _FSDPState) or any(getattr(p, "_fsdp_flattened", False) for p in module.parameters()):
+        return FSDP1
+    return None
+
+
+# -- what the launch says, before any model exists (apply()'s report, the doctor) --------------------------------
+def expected_from_environment(environ: dict | None = None) -> tuple[str, str]:
+    """(engine, evidence) as the launcher or Trainer set it up: accelerate's and the Trainer's variables, an alive
+    HfDeepSpeedConfig, or WORLD_SIZE for plain DDP."""
+    env = os.environ if environ is None else environ
+    if deepspeed_zero3():
+        return DEEPSPEED, "transformers HfDeepSpeedConfig with ZeRO stage 3"
+    if _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
+        return DEEPSPEED, "ACCELERATE_USE_DEEPSPEED"
+    if _truthy(env.get("ACCELERATE_USE_FSDP")):
+        version = str(env.get("FSDP_VERSION", "1")).strip()
+        return (FSDP2 if version == "2" else FSDP1), f"ACCELERATE_USE_FSDP, FSDP_VERSION={version}"
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        return DDP, f"WORLD_SIZE={world} without FSDP or DeepSpeed variables"
+    return NONE, "single process"
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def summary(environ: dict | None = None) -> str:
+    """One line: the expected engine, and which patches act under it."""
+    engine, evidence = expected_from_environment(environ)
+    if engine == NONE:
+        return "engine: no engine (single process: nothing acts)"
+    acting = [p for p, under in ACTS_UNDER.items() if engine in under]
+    aside = [p for p, under in ACTS_UNDER.items() if engine not in under]
+    return (f"engine: {engine} ({evidence}); acts: {', '.join(acting) or 'nothing'}"
+            + (f"; steps aside: {', '.join(aside)}" if aside else ""))
+
+
+# -- the compile notice ----------------------------------------------------------------------------------------
+class _CompileNotice:
+    """A dynamo compile-start callback: the one WARNING line for everything that steps aside under compile
+    (code traced by dynamo cannot log without breaking the graph, so the patches are silent there)."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        self._handler = callback_handler
+        callback_handler.register_start_callback(self)
+
+    def __call__(self, *args: Any) -> None:
+        from .distributed import is_distributed
+
+        if is_distributed():
+            log_rank0_once("engine-compile", logging.WARNING,
+                           "ddp_patches: torch.compile is compiling code of this process: inside compiled code the "
+                           "checkpoint swap and activation offload are not reached (dynamo traces checkpoints as "
+                           "its own operator) and the tiled MLP and the reachability edges step aside; code "
+                           "outside compiled regions is patched as usual (NOTE [Engines] in ddp_patches/engines.py)")
+
+    def remove(self) -> None:
+        if self in self._handler.start_callbacks:
+            self._handler.remove_start_callback(self)
+
+
+def install_compile_notice() -> _CompileNotice | None:
+    """Register the notice where compile could meet a process group: a multi-process launch (WORLD_SIZE > 1),
+    or a process that has already imported dynamo. Elsewhere importing dynamo (about 1.5 s) buys nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or "torch._dynamo" in sys.modules:
+        return _CompileNotice()
+    return None
