@@ -82,8 +82,8 @@ def step(model, ids: torch.Tensor, opt, device: str) -> tuple[float, int]:
 def measure(model, seq: int, steps: int, warmup: int, device: str, vocab: int) -> dict:
     ids = torch.randint(0, vocab, (1, seq), device=device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    # Offload forced on in one process: the default CUDA predicate, an always-open gate.
-    offloader = offload.CheckpointInputOffloader(gate=lambda: True, **(
+    # Offload forced on in one process: the default CUDA predicate, an always-open gate, under any engine.
+    offloader = offload.CheckpointInputOffloader(gate=lambda: True, engines=None, **(
         {} if device == "cuda" else {"should_offload": lambda t: True, "min_bytes": 0}))
     samples = {"off": [], "on": []}
     peaks = {"off": [], "on": []}

@@ -99,9 +99,10 @@ def diagnose(model: Any = None, args: Any = None, *, tiled_mlp: bool = False) ->
         world = torch.distributed.get_world_size()
     found = installed_versions()
     d = Diagnosis(found, world, "nccl" if torch.cuda.is_available() else "gloo", api.is_applied(),
-                  would_change(tiled_mlp), engine=engines.summary())
+                  would_change(tiled_mlp), engine=engines.summary(args=args))
     d.findings += _version_findings(found)
     d.findings += _launch_findings(world, args)
+    d.findings += _engine_findings(args)
     d.findings += _checkpoint_findings(model, args)
     d.findings += _reducer_findings(model, args)
     return d
@@ -131,6 +132,24 @@ def _launch_findings(world: int, args: Any) -> list[Finding]:
             "not-applied", "warning", "distributed launch without ddp_patches.apply()",
             "the errors below, depending on the settings", "call ddp_patches.apply() before building the Trainer"))
     return found
+
+
+def _engine_findings(args: Any) -> list[Finding]:
+    expected = engines.expected_from_args(args)
+    if expected is None:
+        return []
+    engine, evidence = expected
+    if engine in (engines.FSDP1, engines.FSDP2) and not torch.cuda.is_available():
+        return [Finding(
+            "fsdp-on-cpu-host", "warning", f"{evidence} on a host without CUDA",
+            "no error: accelerate keeps DistributedType.MULTI_CPU and trains with DDP, not FSDP",
+            "shard with torch.distributed.fsdp.fully_shard yourself, or run FSDP on GPUs")]
+    if engine == engines.DEEPSPEED:
+        return [Finding(
+            "deepspeed-steps-aside", "info", evidence,
+            "nothing fails; the checkpoint swap, offload and tiled MLP step aside under DeepSpeed",
+            "nothing to do: DeepSpeed does not use DDP's reducer")]
+    return []
 
 
 def _checkpoint_findings(model: Any, args: Any) -> list[Finding]:

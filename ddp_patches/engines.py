@@ -250,13 +250,28 @@ def expected_from_environment(environ: dict | None = None) -> tuple[str, str]:
     return NONE, "single process"
 
 
+def expected_from_args(args: Any) -> tuple[str, str] | None:
+    """(engine, evidence) from TrainingArguments/SFTConfig, which hand FSDP and DeepSpeed to accelerate as plugin
+    objects rather than variables; None when they ask for neither."""
+    if args is None:
+        return None
+    if getattr(args, "deepspeed", None):
+        return DEEPSPEED, "TrainingArguments.deepspeed"
+    if getattr(args, "fsdp", None):
+        config = getattr(args, "fsdp_config", None) or {}
+        version = str(config.get("fsdp_version", config.get("version", 1)))
+        return (FSDP2 if version == "2" else FSDP1), f"TrainingArguments.fsdp, fsdp_version={version}"
+    return None
+
+
 def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def summary(environ: dict | None = None) -> str:
-    """One line: the expected engine, and which patches act under it."""
-    engine, evidence = expected_from_environment(environ)
+def summary(environ: dict | None = None, args: Any = None) -> str:
+    """One line: the expected engine (from ``args`` if they name one, else the environment), and which patches
+    act under it."""
+    engine, evidence = expected_from_args(args) or expected_from_environment(environ)
     if engine == NONE:
         return "engine: no engine (single process: nothing acts)"
     acting = [p for p, under in ACTS_UNDER.items() if engine in under]

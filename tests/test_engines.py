@@ -389,3 +389,16 @@ def test_trainer_torch_compile_trains_like_unpatched(pool):
         assert after["finite"] and after["lora_in_sync"], after
         assert after["losses"] == pytest.approx(before["losses"], rel=1e-5)
     assert any("torch.compile is compiling" in ln for ln in patched[0]["log"]), patched[0]["log"]
+
+
+def test_doctor_names_the_engine_of_training_arguments():
+    from types import SimpleNamespace
+
+    from ddp_patches import doctor
+
+    fsdp = SimpleNamespace(fsdp="full_shard auto_wrap", fsdp_config={"fsdp_version": 2}, use_cpu=True)
+    d = doctor.diagnose(args=fsdp)
+    assert d.engine.startswith("engine: FSDP2 (TrainingArguments.fsdp, fsdp_version=2)")
+    if not torch.cuda.is_available():
+        assert "fsdp-on-cpu-host" in d.codes()
+    assert "deepspeed-steps-aside" in doctor.diagnose(args=SimpleNamespace(deepspeed="ds.json")).codes()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ddp_patches
-from ddp_patches import tiled_mlp
+from ddp_patches import engines, tiled_mlp
 from ddp_patches.verify import mlp_models
 
 SHARD = 4  # tokens per shard: 2 rows x 7..12 tokens -> 4 to 6 shards, varying between ranks and steps
@@ -99,7 +99,11 @@ def dropout_case() -> dict:
             fn().pow(2).sum().backward()
             return [p.grad.clone() for p in mlp.parameters() if p.requires_grad]
 
-        tiled = grads(lambda: mlp(x))
+        with engines.acting_as(engines.DDP):  # the MLP as a DDP forward runs it
+            tiled = grads(lambda: mlp(x))
+        before = tiled_mlp.counts()["tiled_calls"]
+        grads(lambda: mlp(x))  # outside any engine it steps aside (NOTE [Engines])
+        stepped_aside = tiled_mlp.counts()["tiled_calls"] == before
         rows = x.reshape(-1, x.shape[-1])
         sizes = tiled_mlp.shard_sizes(rows.shape[0], x.shape[-1], SHARD)
         with tiled_mlp.untiled():
@@ -108,6 +112,7 @@ def dropout_case() -> dict:
     return {
         "equal_to_shard_by_shard": all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(tiled, by_shard)),
         "dropout_active": not all(torch.allclose(a, b) for a, b in zip(tiled, whole)),
+        "stepped_aside_outside_ddp": stepped_aside,
     }
 
 
@@ -115,6 +120,7 @@ def test_dropout_masks_are_replayed(pool):
     for r in pool.run(dropout_case):
         assert r["equal_to_shard_by_shard"]
         assert r["dropout_active"]
+        assert r["stepped_aside_outside_ddp"]
 
 
 def lm_case(family: str, qlora: bool, ddp_kwargs: dict, accum: int, ckpt_kwargs) -> dict:

@@ -90,6 +90,74 @@ def _vlm(family, ckpt_kwargs, accum=1, lora_on_vision=True, text_only_rank=1, **
     return run
 
 
+def _fsdp2_lm(ckpt_kwargs, accum=2, qlora=False, reshard_after_forward=True):
+    """FSDP2 (fully_shard per decoder layer + root), Qwen2 LoRA; the MLPs run tiled when apply(tiled_mlp=True)."""
+
+    def run():
+        from ddp_patches import is_applied, tiled_mlp
+
+        from .fsdp2 import lm_fsdp2_parity
+
+        result = lm_fsdp2_parity("qwen2", ckpt_kwargs, qlora=qlora, accum=accum,
+                                 reshard_after_forward=reshard_after_forward,
+                                 reference_context=tiled_mlp.untiled).as_dict()
+        result["tiled_mlp_calls"] = tiled_mlp.counts()["tiled_calls"] if is_applied() else 0
+        return result
+
+    return run
+
+
+def _fsdp2_offload(accum=2):
+    """FSDP2, Qwen2 LoRA with 4 layers and non-reentrant checkpoints; offload forced through the CPU path."""
+
+    def run():
+        import ddp_patches
+        from ddp_patches import offload
+
+        from .cpu_offload import cpu_path_offloader
+        from .fsdp2 import run_fsdp2_parity
+        from .hf_models import build_lora_model, combine_lm, lm_batch, lm_loss
+
+        forced = cpu_path_offloader()
+        with offload.use_offloader(forced):
+            result = run_fsdp2_parity(lambda: build_lora_model("qwen2", None, layers=4), lm_batch, combine_lm,
+                                      lm_loss, accum=accum).as_dict()
+        result["offloaded_per_micro_step"] = forced.stats.offloaded_tensors
+        if ddp_patches.is_applied() and forced.stats.offloaded_tensors == 0:
+            raise AssertionError("offload was applied but moved no checkpoint input under FSDP2")
+        return result
+
+    return run
+
+
+def _fsdp2_vlm(ckpt_kwargs, accum=2):
+    """FSDP2, Qwen2-VL LoRA on text + vision, rank 1 text-only: the vision blocks stay in the root's group and
+    FSDP2 reduce-scatters zeros for parameters a rank did not use (set_reduce_scatter_unused_params)."""
+
+    def run():
+        from .fsdp2 import vlm_fsdp2_parity
+
+        return vlm_fsdp2_parity("qwen2_vl", ckpt_kwargs, accum=accum, text_only_rank=1, shard_kwargs={
+            "skip": ("Qwen2VLVisionBlock",), "unused_params": True}).as_dict()
+
+    return run
+
+
+def _compiled_lm(ckpt_kwargs, accum=2):
+    """torch.compile around DDP (what accelerate's dynamo_backend does), aot_eager backend."""
+
+    def run():
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from .hf_models import lm_parity
+
+        return lm_parity("qwen2", ckpt_kwargs, accum=accum,
+                         wrap=lambda m, **kw: torch.compile(DDP(m, **kw), backend="aot_eager")).as_dict()
+
+    return run
+
+
 def _trainer(kind, **kwargs):
     def run():
         from .trainer_runs import train
@@ -134,6 +202,19 @@ SCENARIOS = [
              _trainer("trainer", ckpt_kwargs={"use_reentrant": True}, static_graph=True), tolerance=None),
     Scenario("trl-sft-lora", "TRL SFTTrainer, LoRA, reentrant, ddp_static_graph, accum 2",
              _trainer("sft", ckpt_kwargs={"use_reentrant": True}, static_graph=True), tolerance=None),
+    # Other engines: the patches must act where proven and step aside elsewhere, never break a working run.
+    Scenario("fsdp2-lora-tiled-mlp", "FSDP2 per layer + root, Qwen2 LoRA, reentrant (kept), accum 2, MLP tiled",
+             _fsdp2_lm({"use_reentrant": True}), apply_kwargs={"tiled_mlp": True, "tiled_mlp_shard_tokens": 5}),
+    Scenario("fsdp2-lora-no-reshard", "FSDP2, reshard_after_forward=False, Qwen2 LoRA, {} kwargs, accum 2",
+             _fsdp2_lm({}, reshard_after_forward=False)),
+    Scenario("fsdp2-offload", "FSDP2, Qwen2 LoRA, 4 layers, non-reentrant, accum 2, offload forced on",
+             _fsdp2_offload()),
+    Scenario("fsdp2-qlora", "FSDP2, Qwen2 QLoRA (bnb nf4) via prepare_model_for_kbit_training, accum 2",
+             _fsdp2_lm(None, qlora=True), tolerance=1e-4),
+    Scenario("fsdp2-vlm-text-only-rank", "FSDP2, Qwen2-VL LoRA text + vision, rank 1 text-only, reentrant, accum 2",
+             _fsdp2_vlm({"use_reentrant": True})),
+    Scenario("ddp-compiled-reentrant", "torch.compile(DDP) (aot_eager), Qwen2 LoRA, reentrant, accum 2",
+             _compiled_lm({"use_reentrant": True})),
 ]
 
 BY_NAME = {s.name: s for s in SCENARIOS}
