@@ -402,3 +402,43 @@ def test_doctor_names_the_engine_of_training_arguments():
     if not torch.cuda.is_available():
         assert "fsdp-on-cpu-host" in d.codes()
     assert "deepspeed-steps-aside" in doctor.diagnose(args=SimpleNamespace(deepspeed="ds.json")).codes()
+
+
+# -- recomputation decides as the forward did -------------------------------------------------------------------
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.b, self.a(h).tanh(), use_reentrant=True)  # nested: called again in recompute
+
+
+class _Nested(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=True).pow(2).mean(dim=1)
+
+
+def nested_checkpoints():
+    from ddp_patches.verify.parity import run_parity
+
+    with ddp_patches.patched():
+        return run_parity(lambda: _Nested().double(),
+                          lambda r, i, m: torch.randn(4, 8, dtype=torch.float64,
+                                                      generator=torch.Generator().manual_seed(100 * r + 10 * i + m)),
+                          torch.cat, lambda model, x: model(x).mean(), accum=2).as_dict()
+
+
+def test_nested_checkpoints_recompute_the_path_their_forward_took(pool):
+    """The inner checkpoint runs again inside the outer one's recomputation, where DDP's forward marker is unset:
+    it must be swapped again, or the recomputed region saves other tensors (CheckpointError)."""
+    for r in pool.run(nested_checkpoints):
+        assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
