@@ -102,8 +102,8 @@ _LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)",
 # DDP's forward marker is unset during backward, but a non-reentrant checkpoint re-runs its region's forward code
 # there (recomputation): a tiled MLP or a nested checkpoint inside it is called again and must take the same path
 # as in the forward, or the region saves different tensors than it did (CheckpointError: "Recomputed values ...
-# have different metadata"). So the engine found in a forward is kept per module, and a call made while a
-# backward runs reuses it.
+# have different metadata"; tests/test_tiled_mlp.py's checkpointed stacks fail so without it). So the engine
+# found in a forward is kept per module, and a call made while a backward runs reuses it.
 _decided: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 _last: dict[str, str | None] = {"engine": None}
 
