@@ -16,7 +16,10 @@ import queue
 import socket
 import sys
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,3 +132,19 @@ class DistPool:
                 p.kill()
                 p.join()
         self._procs = []
+
+
+def grad_fn_names(t: Any) -> "Counter[str]":
+    """How many nodes of each type t's autograd graph has (``CheckpointFunctionBackward``: a reentrant checkpoint
+    that ran as such)."""
+    from collections import Counter
+
+    seen, stack, names = set(), [t.grad_fn], Counter()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names[fn.name()] += 1
+        stack.extend(f for f, _ in fn.next_functions)
+    return names

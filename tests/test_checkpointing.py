@@ -9,18 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
-from tests.harness import DistPool
-
-
-def _grad_fn_names(t: torch.Tensor) -> set[str]:
-    seen, stack = set(), [t.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn.name() in seen:
-            continue
-        seen.add(fn.name())
-        stack.extend(f for f, _ in fn.next_functions)
-    return seen
+from tests.harness import DistPool, grad_fn_names
 
 
 class _Checkpointed(torch.nn.Module):
@@ -55,7 +44,7 @@ def swap_case(patched: bool = True, under_ddp: bool = True) -> dict:
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
     return {
-        "reentrant_node": "CheckpointFunctionBackward" in _grad_fn_names(out),
+        "reentrant_node": "CheckpointFunctionBackward" in grad_fn_names(out),
         "grads_equal": all(torch.allclose(a, p.grad, rtol=0, atol=1e-12) for a, p in zip(grads, layer.parameters())),
     }
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import ddp_patches
 from ddp_patches import engines
+from tests.harness import grad_fn_names
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed is not installed (pip install --no-build-isolation "
@@ -75,16 +76,8 @@ def test_hf_deepspeed_config_is_detected_without_an_engine():
 
 # -- helpers run on every rank ------------------------------------------------------------------------------------
 def _reentrant_nodes(t: torch.Tensor) -> int:
-    """CheckpointFunctionBackward nodes in t's graph: a reentrant checkpoint that was kept as asked."""
-    seen, stack, count = set(), [t.grad_fn], 0
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        count += type(fn).__name__ == "CheckpointFunctionBackward"
-        stack.extend(f for f, _ in fn.next_functions)
-    return count
+    """Reentrant checkpoints that stayed reentrant (CheckpointFunctionBackward nodes) in t's graph."""
+    return grad_fn_names(t)["CheckpointFunctionBackward"]
 
 
 class _Records(logging.Handler):
