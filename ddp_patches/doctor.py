@@ -77,7 +77,8 @@ def installed_versions() -> dict:
 
 def would_change(tiled_mlp: bool = False) -> list[str]:
     changes = [
-        "torch.utils.checkpoint.CheckpointFunction: reentrant checkpoints run as use_reentrant=False",
+        "torch.utils.checkpoint.CheckpointFunction: reentrant checkpoints inside a DDP forward run as "
+        "use_reentrant=False",
         "DistributedDataParallel.__init__: settings kept as given; with find_unused_parameters=False or static_graph, "
         "a trainable parameter a forward's outputs cannot reach gets a zero-gradient edge",
         "DistributedDataParallel.no_sync: the first static-graph backward is synchronised",

@@ -57,13 +57,16 @@ def run_parity(
     seed: int = 1234,
     reference_context: Callable[[], Any] = contextlib.nullcontext,
     wrap: Callable[..., nn.Module] = DDP,
+    stands_in_for: str = engines.DDP,
 ) -> ParityResult:
     """Train ``iters`` optimizer steps under DDP and on a local full-batch replica; compare every step.
 
     ``make_batch(rank, iteration, micro_step)`` must be deterministic; ``combine`` concatenates the ranks'
     batches into the global one; ``loss_fn`` must be a mean over the batch (DDP averages over ranks).
     ``reference_context`` wraps the reference's forward and backward (e.g. ``tiled_mlp.untiled``). ``wrap`` builds
-    the distributed model from the local one and the DDP kwargs (default: DDP; e.g. ``torch.compile`` around it).
+    the distributed model from the local one and the DDP kwargs (default: DDP; ``torch.compile`` around it; an
+    FSDP2 ``fully_shard``), and ``stands_in_for`` names its engine, under which the replica runs
+    (``engines.acting_as``: the patches act on it as on the model it is compared with).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = device()
@@ -78,17 +81,16 @@ def run_parity(
     result = ParityResult()
     for it in range(iters):
         for micro in range(accum):
-            sync = contextlib.nullcontext() if micro == accum - 1 else ddp.no_sync()
-            with sync:
+            with contextlib.nullcontext() if micro == accum - 1 else _no_sync(ddp):
                 loss = loss_fn(ddp, to_device(make_batch(rank, it, micro), dev)) / accum
                 loss.backward()
             global_batch = to_device(combine([make_batch(r, it, micro) for r in range(world)]), dev)
-            with reference_context(), engines.acting_as(engines.DDP):  # the replica stands in for the DDP model
+            with reference_context(), engines.acting_as(stands_in_for):
                 (loss_fn(reference, global_batch) / accum).backward()
             result.losses.append(float(loss.detach()))
-        for (name, p), (_, q) in zip(ddp.module.named_parameters(), reference.named_parameters()):
+        for (name, p), (_, q) in zip(_local(ddp).named_parameters(), reference.named_parameters()):
             if p.requires_grad:
-                err = relative_error(p.grad, q.grad)
+                err = relative_error(full_tensor(p.grad), q.grad)
                 if not math.isfinite(err):
                     raise FloatingPointError(f"non-finite gradient error at {name}, iteration {it}")
                 result.max_rel_error = max(result.max_rel_error, err)
@@ -97,13 +99,38 @@ def run_parity(
         opt.zero_grad()
         ref_opt.zero_grad()
         result.iterations += 1
-    result.ranks_in_sync = params_equal_across_ranks(ddp.module)
+    result.ranks_in_sync = params_equal_across_ranks(_local(ddp))
     return result
 
 
+def _local(model: nn.Module) -> nn.Module:
+    """The module holding the parameters: DDP's (also under torch.compile), else the model (FSDP2 shards it in
+    place)."""
+    return model.module if isinstance(getattr(model, "_orig_mod", model), DDP) else model
+
+
+@contextlib.contextmanager
+def _no_sync(model: nn.Module):
+    """Accumulate without synchronising: DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``."""
+    if not hasattr(model, "set_requires_gradient_sync"):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def full_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole tensor: gathered from its shards for an FSDP2 DTensor, else t itself."""
+    return t.full_tensor() if t is not None and hasattr(t, "full_tensor") else t
+
+
 def params_equal_across_ranks(model: nn.Module) -> bool:
-    """True when every trainable parameter is bit-identical to rank 0's."""
-    flat = torch.cat([p.detach().reshape(-1).double() for p in model.parameters() if p.requires_grad])
+    """True when every trainable parameter (gathered, if sharded) is bit-identical to rank 0's."""
+    flat = torch.cat([full_tensor(p.detach()).reshape(-1).double() for p in model.parameters() if p.requires_grad])
     same_device = flat.device  # NCCL needs CUDA tensors, gloo CPU ones: stay where the parameters are
     mine = flat.clone()
     dist.broadcast(flat, src=0)
