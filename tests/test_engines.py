@@ -7,9 +7,11 @@ and its detection is also checked through transformers' own HfDeepSpeedConfig, w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
+from typing import Iterator
 
 import pytest
 import torch
@@ -89,15 +91,15 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _capture() -> _Records:
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """The library's WARNING lines logged inside the block (the list fills as they come)."""
     handler = _Records()
     logging.getLogger("ddp_patches").addHandler(handler)
-    return handler
-
-
-def _release(handler: _Records) -> list[str]:
-    logging.getLogger("ddp_patches").removeHandler(handler)
-    return handler.lines
+    try:
+        yield handler.lines
+    finally:
+        logging.getLogger("ddp_patches").removeHandler(handler)
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------------
@@ -106,9 +108,7 @@ def fsdp2_lm(ckpt_kwargs=None, reshard_after_forward=True, accum=1, tiled=False,
     from ddp_patches import tiled_mlp
     from ddp_patches.verify import fsdp2, hf_models
 
-    log = _capture()
-    ddp_patches.apply(tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None)
-    try:
+    with _warnings() as lines, ddp_patches.patched(tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None):
         result = fsdp2.lm_fsdp2_parity("qwen2", ckpt_kwargs, qlora=qlora, accum=accum,
                                        reshard_after_forward=reshard_after_forward,
                                        reference_context=tiled_mlp.untiled).as_dict()
@@ -117,12 +117,7 @@ def fsdp2_lm(ckpt_kwargs=None, reshard_after_forward=True, accum=1, tiled=False,
         result["reentrant_nodes"] = _reentrant_nodes(loss)
         loss.backward()
         result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"]
-        return result
-    finally:
-        ddp_patches.revert()
-        result_lines = _release(log)
-        if "result" in locals():
-            result["log"] = result_lines
+    return {**result, "log": lines}
 
 
 REENTRANT, PEFT_KBIT, DEFAULT = {"use_reentrant": True}, {}, None
@@ -253,13 +248,11 @@ def zero3_lora(reentrant=True, patched=True):
     config = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # every weight partitioned
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
-    log = _capture()
     keep = HfDeepSpeedConfig(config)
-    if patched:
-        ddp_patches.apply(tiled_mlp=True, tiled_mlp_shard_tokens=5)
+    forced = cpu_path_offloader()
+    patches = ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
     try:
-        forced = cpu_path_offloader()
-        with offload.use_offloader(forced) if patched else _nullcontext():
+        with _warnings() as lines, patches, offload.use_offloader(forced):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="eager")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -276,16 +269,9 @@ def zero3_lora(reentrant=True, patched=True):
                 engine.step()
                 losses.append(float(loss))
         return {"losses": losses, "reentrant_nodes": nodes, "tiled_calls": tiled_mlp.counts()["tiled_calls"],
-                "offloaded": forced.stats.offloaded_tensors + forced.stats.kept_last, "log": _release(log)}
+                "offloaded": forced.stats.offloaded_tensors + forced.stats.kept_last, "log": lines}
     finally:
-        ddp_patches.revert()
         del keep
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 @needs_deepspeed
@@ -324,22 +310,18 @@ def compiled_ddp(ckpt_kwargs=None, outer=True, backend="aot_eager", patched=True
     from ddp_patches.verify.hf_models import build_lora_model, lm_batch, lm_loss, lm_parity
 
     torch._dynamo.reset()
-    log = _capture()
-    try:
-        with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else _nullcontext():
-            result = lm_parity("qwen2", ckpt_kwargs, iters=2, accum=2, reference_context=tiled_mlp.untiled,
-                               wrap=_compiled(outer, backend)).as_dict()
-            forced = cpu_path_offloader()
-            before = tiled_mlp.counts()["tiled_calls"]
-            with offload.use_offloader(forced):
-                model = _compiled(outer, backend)(build_lora_model("qwen2", ckpt_kwargs))
-                lm_loss(model, lm_batch(0, 0, 0)).backward()
-            result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"] - before
-            result["offloaded"] = forced.stats.offloaded_tensors + forced.stats.kept_last
-    finally:
-        result_lines = _release(log)
-    result["log"] = result_lines
-    return result
+    patches = ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
+    with _warnings() as lines, patches:
+        result = lm_parity("qwen2", ckpt_kwargs, iters=2, accum=2, reference_context=tiled_mlp.untiled,
+                           wrap=_compiled(outer, backend)).as_dict()
+        forced = cpu_path_offloader()
+        before = tiled_mlp.counts()["tiled_calls"]
+        with offload.use_offloader(forced):
+            model = _compiled(outer, backend)(build_lora_model("qwen2", ckpt_kwargs))
+            lm_loss(model, lm_batch(0, 0, 0)).backward()
+        result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"] - before
+        result["offloaded"] = forced.stats.offloaded_tensors + forced.stats.kept_last
+    return {**result, "log": lines}
 
 
 @pytest.mark.parametrize("ckpt_kwargs,outer,backend", [
@@ -364,15 +346,10 @@ def trainer_compiled(patched=True):
     from ddp_patches.verify.trainer_runs import train
 
     torch._dynamo.reset()
-    log = _capture()
-    try:
-        with ddp_patches.patched() if patched else _nullcontext():
-            result = train("trainer", ckpt_kwargs=REENTRANT, steps=2, args_extra={
-                "torch_compile": True, "torch_compile_backend": "aot_eager"})
-    finally:
-        result_lines = _release(log)
-    result["log"] = result_lines
-    return result
+    with _warnings() as lines, ddp_patches.patched() if patched else contextlib.nullcontext():
+        result = train("trainer", ckpt_kwargs=REENTRANT, steps=2, args_extra={
+            "torch_compile": True, "torch_compile_backend": "aot_eager"})
+    return {**result, "log": lines}
 
 
 def test_trainer_torch_compile_trains_like_unpatched(pool):
