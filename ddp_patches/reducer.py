@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import engines, reach, teardown
+from . import checkpointing, engines, reach, teardown
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -94,6 +94,7 @@ def _patched_ddp_init(original_init):
         original_init(self, *args, **kwargs)  # the settings as given: NOTE [find_unused is the user's]
         if not is_distributed():
             return
+        checkpointing.check_recompute_routing(self.module)
         REGISTRY.add_handle(self.register_forward_pre_hook(TrainableGuard(self)))
         edges = reach.install(self)
         teardown.track(self)

@@ -9,7 +9,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from . import vlm_models
+from . import moe_models, vlm_models
 from .device import device
 from .hf_models import build_lora_model, lm_dataset, word_level_tokenizer
 from .parity import params_equal_across_ranks
@@ -47,6 +47,9 @@ def train(
         text_only = text_only_rank is not None and int(os.environ.get("RANK", "0")) == text_only_rank
         dataset = vlm_models.vlm_dataset(family, images=not text_only)
         extra = {"data_collator": vlm_models.make_collate(family)}
+    elif family in moe_models.FAMILIES:
+        model = moe_models.build_moe_lora(family, ckpt_kwargs, dtype=torch.float32)
+        dataset = lm_dataset()
     else:
         model = build_lora_model(family, ckpt_kwargs, qlora=qlora, dtype=torch.float32, layers=layers)
         dataset = lm_dataset()
