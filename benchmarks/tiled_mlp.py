@@ -9,8 +9,10 @@ and for each token count runs the tiled and the untiled forward+backward alterna
 under ``tiled_mlp.untiled()``), so both see the same process, weights and data. Memory is the peak of tensor
 bytes allocated during one forward+backward (torch.profiler's allocation events, beyond the input and the
 upstream gradient already held), time the median over repeats of unprofiled runs. Shard count: the automatic
-rule, ceil(tokens / hidden). Targets from the tiled-MLP issue: memory >= 4x lower at 8K and >= 8x at 32K, time
-<= 1.10x. Writes benchmarks/results/tiled_mlp.json.
+rule, ceil(tokens / hidden), and the automatic choice: a call tiles only from tiled_mlp.AUTO_MIN_SHARDS shards on
+(NOTE [When tiling pays]); below, the "tiled" column is the untiled forward the library then runs. Targets:
+memory >= 4x lower at 8K and >= 8x at 32K, time <= 1.10x at every length. Writes
+benchmarks/results/tiled_mlp.json.
 """
 
 from __future__ import annotations
@@ -95,9 +97,12 @@ def _sweep(model, args) -> list:
             for tiled in (False, True):
                 times[tiled].append(run(tiled, False))
         peaks = {tiled: run(tiled, True) for tiled in (False, True)}
+        before = tiled_mlp.counts()["tiled_calls"]
+        run(True, False)
         row = {
             "tokens": tokens,
             "shards": len(tiled_mlp.shard_sizes(tokens, args.hidden, None)),
+            "tiles": tiled_mlp.counts()["tiled_calls"] > before,
             "peak_bytes_untiled": peaks[False],
             "peak_bytes_tiled": peaks[True],
             "step_s_untiled": statistics.median(times[False]),
@@ -145,13 +150,19 @@ def _misses(row: dict) -> list[str]:
 
 
 def print_table(report: dict) -> None:
-    print(f"{'tokens':>6} {'shards':>6} {'untiled MiB':>12} {'tiled MiB':>10} {'mem ratio':>10} "
+    print(f"{'tokens':>6} {'shards':>6} {'tiles':>5} {'untiled MiB':>12} {'tiled MiB':>10} {'mem ratio':>10} "
           f"{'untiled s':>10} {'tiled s':>9} {'time ratio':>10}")
     for r in report["rows"]:
         flag = ("  <- " + "; ".join(r["misses"])) if r["misses"] else ""
-        print(f"{r['tokens']:>6} {r['shards']:>6} {r['peak_bytes_untiled'] / 2**20:>12.1f} "
+        print(f"{r['tokens']:>6} {r['shards']:>6} {_tiles(r):>5} {r['peak_bytes_untiled'] / 2**20:>12.1f} "
               f"{r['peak_bytes_tiled'] / 2**20:>10.1f} {r['mem_ratio']:>9.2f}x {r['step_s_untiled']:>10.3f} "
               f"{r['step_s_tiled']:>9.3f} {r['time_ratio']:>9.2f}x{flag}", flush=True)
+
+
+def _tiles(row: dict) -> str:
+    from ddp_patches.tiled_mlp import AUTO_MIN_SHARDS
+
+    return "yes" if row.get("tiles", row["shards"] >= AUTO_MIN_SHARDS) else "no"
 
 
 def plot(report: dict, path: str) -> str:
@@ -174,11 +185,12 @@ def plot(report: dict, path: str) -> str:
 def summarize(report: dict) -> list[str]:
     out = []
     for r in report["rows"]:
-        if r["tokens"] in TARGETS or r is report["rows"][-1]:
-            target = f">= {r['mem_target']:g}x memory, <= {TIME_TARGET}x time" if r["mem_target"] else \
-                f"<= {TIME_TARGET}x time"
-            out.append(f"| tiled MLP, {r['tokens']} tokens (CPU, 2 ranks) | {r['mem_ratio']:.2f}x less memory, "
-                       f"{r['time_ratio']:.2f}x time | {target} | {'missed: ' + '; '.join(r['misses']) if r['misses'] else 'met'} |")
+        target = f">= {r['mem_target']:g}x memory, <= {TIME_TARGET}x time" if r["mem_target"] else \
+            f"<= {TIME_TARGET}x time"
+        how = "tiled" if _tiles(r) == "yes" else "runs untiled (auto rule)"
+        out.append(f"| tiled MLP, {r['tokens']} tokens, {how} (CPU, 2 ranks) | {r['mem_ratio']:.2f}x less memory, "
+                   f"{r['time_ratio']:.2f}x time | {target} | "
+                   f"{'missed: ' + '; '.join(r['misses']) if r['misses'] else 'met'} |")
     return out
 
 

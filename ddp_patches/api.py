@@ -67,11 +67,12 @@ def apply(
         offload_min_bytes: tensors smaller than this stay on the device (default 1 MiB).
         offload_max_pinned_bytes: per-rank cap of pinned host memory for offload (default: a quarter of
             physical RAM divided by LOCAL_WORLD_SIZE); beyond it tensors stay on the device.
-        tiled_mlp: under DDP, run the gate/up/down MLP of Llama, Mistral, Qwen2/3, Gemma2/3 and the text towers
-            of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma3, Llava, Idefics3/SmolVLM tiled along the tokens, with a
-            backward that fires each DDP hook once (see NOTE in ddp_patches/tiled_mlp.py).
-        tiled_mlp_shard_tokens: at most this many tokens per MLP shard; None: ceil(tokens / hidden_size)
-            shards. Used with ``tiled_mlp``.
+        tiled_mlp: under DDP or FSDP2, run every gate/up/down MLP (found by structure on the model, any
+            family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward that
+            fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
+        tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: ceil(tokens /
+            hidden_size) shards, and a call tiles only from 8 shards on (NOTE [When tiling pays]). Used with
+            ``tiled_mlp``.
     """
     options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
     options.update(_validate_offload_sizes(offload_min_bytes, offload_max_pinned_bytes))

@@ -89,7 +89,8 @@ def would_change(tiled_mlp: bool = False) -> list[str]:
         "tiled MLP: DDP and FSDP2) and steps aside elsewhere with one WARNING line",
     ]
     if tiled_mlp:
-        changes.append("gate/up/down MLPs of the supported families: tiled along the tokens")
+        changes.append("gate/up/down MLPs (found by structure, any family): tiled along the tokens from 8 x hidden "
+                       "tokens per call on")
     return changes
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpointing, engines, reach, teardown
+from . import checkpointing, engines, reach, teardown, tiled_mlp
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -95,6 +95,7 @@ def _patched_ddp_init(original_init):
         if not is_distributed():
             return
         checkpointing.check_recompute_routing(self.module)
+        tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
         REGISTRY.add_handle(self.register_forward_pre_hook(TrainableGuard(self)))
         edges = reach.install(self)
         teardown.track(self)

@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import math
 from typing import Callable
@@ -40,29 +39,13 @@ from .distributed import is_distributed, log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 
-# (family, modeling module, classes tiled). Text MLPs of every listed family; Qwen2-VL and Qwen2.5-VL each have
-# their own Qwen2MLP class. Qwen2.5-VL's vision MLP is the same gated shape (with bias) on 2-D inputs: tiled.
-TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("Llama (also Llava, Idefics3, SmolVLM text towers)", "transformers.models.llama.modeling_llama", ("LlamaMLP",)),
-    ("Mistral", "transformers.models.mistral.modeling_mistral", ("MistralMLP",)),
-    ("Qwen2", "transformers.models.qwen2.modeling_qwen2", ("Qwen2MLP",)),
-    ("Qwen3", "transformers.models.qwen3.modeling_qwen3", ("Qwen3MLP",)),
-    ("Gemma2", "transformers.models.gemma2.modeling_gemma2", ("Gemma2MLP",)),
-    ("Gemma3", "transformers.models.gemma3.modeling_gemma3", ("Gemma3MLP",)),
-    ("Qwen2-VL", "transformers.models.qwen2_vl.modeling_qwen2_vl", ("Qwen2MLP",)),
-    ("Qwen2.5-VL", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", ("Qwen2MLP", "Qwen2_5_VLMLP")),
-    ("Qwen3-VL", "transformers.models.qwen3_vl.modeling_qwen3_vl", ("Qwen3VLTextMLP",)),
-)
-# MLP-like classes of those families left alone on purpose: not a gate/up/down MLP.
-NOT_TILED = (
-    "Qwen2-VL VisionMlp (fc1/fc2)",
-    "Qwen3-VL Qwen3VLVisionMLP (linear_fc1/linear_fc2)",
-    "Idefics3/SmolVLM vision MLP (fc1/fc2) and connector (proj)",
-    "Llava multi-modal projector (linear_1/linear_2)",
-)
 _GATED = ("gate_proj", "up_proj", "down_proj")
+# The automatic rule tiles a call only from this many ALST shards on (tokens >= 8 x hidden); below it the call
+# runs untiled. NOTE [When tiling pays].
+AUTO_MIN_SHARDS = 8
 
 _settings: dict = {"shard_tokens": None, "untiled": 0}
+_verdicts: dict[type, str | None] = {}  # class -> None (tiles) or why not; decided at its first call
 _counts = {"tiled_calls": 0, "shards": 0}
 
 
@@ -173,16 +156,12 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
         if not engines.acts("tiled_mlp", engine):
             engines.step_aside("tiled_mlp", engine)
             return original_forward(self, x)
-        if not all(hasattr(self, name) for name in _GATED):
-            log_rank0_once("tiled-shape-" + type(self).__qualname__, logging.INFO,
-                           "ddp_patches: %s has no gate_proj/up_proj/down_proj; it runs untiled",
-                           type(self).__qualname__)
-            return original_forward(self, x)
         hidden = x.shape[-1]
         rows = x.numel() // hidden if hidden else 0
         sizes = shard_sizes(rows, hidden, _settings["shard_tokens"])
         params = tuple(p for p in self.parameters() if p.requires_grad)
-        if len(sizes) == 1 or not (params or x.requires_grad):
+        if len(sizes) == 1 or not (params or x.requires_grad) or not _pays(sizes) \
+                or _verdict(self, x, original_forward) is not None:
             return original_forward(self, x)
         _counts["tiled_calls"] += 1
         _counts["shards"] += len(sizes)
@@ -193,29 +172,158 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
     return forward
 
 
-def _patch_mlp_class(cls: type) -> None:
-    REGISTRY.install(cls, "forward", _make_tiled_forward)
+# NOTE [When tiling pays]
+# Tiling costs a second forward of each shard (the recompute in backward) and per-shard overhead; what it buys is
+# that only one shard's intermediate activations ([shard, intermediate] x 3) are alive at a time. Measured on CPU
+# (benchmarks/tiled_mlp.py, H=1024, I=4096, 2 ranks), tiled/untiled time was 1.55x at 2 shards (2K tokens),
+# 1.24x at 4, 1.06x at 8, 1.01x at 32, with 2.2x, 4.0x, 6.7x and 10.5x less memory. So by default a call is
+# tiled only from AUTO_MIN_SHARDS ALST shards (tokens >= 8 x hidden) on, and runs untiled below, where the
+# memory it would save is small and the time is not. ``tiled_mlp_shard_tokens`` is the user's explicit choice
+# and is always honoured.
+def _pays(sizes: list[int]) -> bool:
+    return _settings["shard_tokens"] is not None or len(sizes) >= AUTO_MIN_SHARDS
+
+
+# NOTE [MLPs found by structure]
+# No list of families: a module is a gated MLP when it has ``gate_proj``, ``up_proj`` and ``down_proj`` children
+# and a ``forward(x)`` that maps [..., H] -> [..., H] row by row. The first two are read from the instance; the
+# last is proven once per class at its first distributed call by a probe (4 rows through the original forward,
+# whole and split in two, under no_grad, dropout off and a forked RNG, so it changes nothing): a class whose
+# output has another shape or mixes tokens is left untiled and logged with the reason. Candidate classes are
+# found three ways, so a model is reached whenever it was built: at apply() among the nn.Module classes already
+# imported (their ``__init__`` assigns the three names), when a transformers model finishes ``post_init``
+# (models built after apply(); FSDP2 and DeepSpeed never call DDP's __init__), and when DDP wraps a module.
+def _verdict(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> str | None:
+    cls = type(module)
+    if cls not in _verdicts:
+        reason = _structure_problem(module) or _probe(module, x, original_forward)
+        _verdicts[cls] = reason
+        if reason is None:
+            log_rank0_once("tiled-class-" + cls.__qualname__, logging.INFO,
+                           "ddp_patches: tiled MLP: %s.%s tiles (gate/up/down, token-wise [..., %d] -> [..., %d])",
+                           cls.__module__, cls.__qualname__, x.shape[-1], x.shape[-1])
+        else:
+            log_rank0_once("tiled-class-" + cls.__qualname__, logging.INFO,
+                           "ddp_patches: tiled MLP: %s.%s is MLP-like but runs untiled: %s",
+                           cls.__module__, cls.__qualname__, reason)
+    return _verdicts[cls]
+
+
+def _structure_problem(module: torch.nn.Module) -> str | None:
+    missing = [n for n in _GATED if not isinstance(getattr(module, n, None), torch.nn.Module)]
+    return f"no {'/'.join(missing)} submodule" if missing else None
+
+
+def _probe(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> str | None:
+    rows = x.detach().reshape(-1, x.shape[-1])[:4]
+    if rows.shape[0] < 4:
+        return None  # too few rows to tile anyway (never reached: tiling needs >= 2 shards)
+    devices = [x.device] if x.device.type == "cuda" else []
+    try:
+        with torch.no_grad(), dropout_off(module), torch.random.fork_rng(devices=devices, device_type="cuda"):
+            whole = original_forward(module, rows)
+            parts = torch.cat([original_forward(module, rows[:2]), original_forward(module, rows[2:])])
+    except Exception as exc:  # noqa: BLE001 - e.g. a forward that needs [batch, seq, H]: tiles feed 2-D rows
+        return f"its forward fails on 2-D [tokens, H] rows ({type(exc).__name__}: {str(exc)[:120]})"
+    if whole.shape != rows.shape:
+        return f"maps [4, {rows.shape[-1]}] to {list(whole.shape)}, not to the same shape"
+    tol = 1e-4 if whole.dtype in (torch.float32, torch.float64) else 2e-2
+    if not torch.allclose(whole, parts, rtol=tol, atol=tol * float(whole.abs().max())):
+        return "its output for a token depends on the other tokens of the call (rows run in two parts differ)"
+    return None
+
+
+@contextlib.contextmanager
+def dropout_off(module: torch.nn.Module):
+    """Dropout off inside ``module`` (its masks depend on the call's shape), flags restored after: the module's
+    own training flag (functional dropout reads it) and its dropout layers'. Nothing else: eval mode changes
+    other layers' state (bitsandbytes repacks 4-bit weights for CPU inference)."""
+    switched = [m for m in module.modules()
+                if m.training and (m is module or isinstance(m, torch.nn.modules.dropout._DropoutNd))]
+    for m in switched:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.training = True
+
+
+def _is_candidate_class(cls: type) -> bool:
+    """The class's ``__init__`` (its own or inherited) assigns gate_proj, up_proj and down_proj."""
+    init = next((vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k)), None)
+    names = getattr(getattr(init, "__code__", None), "co_names", ())
+    return all(n in names for n in _GATED)
+
+
+def _forward_owner(cls: type) -> type | None:
+    owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
+    return None if owner in (None, torch.nn.Module) else owner
+
+
+def _patch_class(cls: type) -> bool:
+    owner = _forward_owner(cls)
+    if owner is None or REGISTRY.is_patched(owner, "forward"):
+        return False
+    REGISTRY.install(owner, "forward", _make_tiled_forward)
+    return True
+
+
+def discover(model: torch.nn.Module) -> list[str]:
+    """Patch the forward of every gate/up/down MLP class in ``model`` (an instance check; the probe comes at the
+    first call). Called for you when a transformers model is built after apply() and when DDP wraps a module;
+    call it yourself for a non-transformers model that FSDP2 shards and that was built before apply()."""
+    if not enabled():
+        return []
+    found = []
+    for cls in {type(m) for m in model.modules() if _structure_problem(m) is None}:
+        if _patch_class(cls):
+            found.append(f"{cls.__module__}.{cls.__qualname__}")
+    if found:
+        log_rank0_once("tiled-found-" + ",".join(sorted(found)), logging.INFO,
+                       "ddp_patches: tiled MLP: gate/up/down MLP classes found on %s: %s",
+                       type(model).__qualname__, ", ".join(sorted(found)))
+    return found
+
+
+def _imported_candidates() -> list[type]:
+    seen, stack, found = set(), [torch.nn.Module], []
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+                if _is_candidate_class(sub):
+                    found.append(sub)
+    return found
+
+
+def _discover_after_post_init(original_post_init: Callable) -> Callable:
+    def post_init(self, *args, **kwargs):
+        result = original_post_init(self, *args, **kwargs)
+        discover(self)
+        return result
+
+    return post_init
+
+
+def enabled() -> bool:
+    """apply(tiled_mlp=True) is in effect (its discovery hook is installed)."""
+    from transformers import PreTrainedModel
+
+    return REGISTRY.is_patched(PreTrainedModel, "post_init")
 
 
 def install(*, shard_tokens: int | None) -> list[str]:
-    """Patch the MLP classes of every listed family that this transformers has; log the ones it lacks."""
+    """Patch the gate/up/down MLP classes imported so far, and discover the rest on models as they are built
+    or wrapped (NOTE [MLPs found by structure])."""
+    from transformers import PreTrainedModel
+
     _settings["shard_tokens"] = shard_tokens
     _counts.update(tiled_calls=0, shards=0)
-    patched, missing = [], []
-    for family, module_name, class_names in TARGETS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            missing.append(family)
-            continue
-        for name in class_names:
-            cls = vars(module).get(name)
-            if cls is None:
-                missing.append(f"{family} {name}")
-                continue
-            _patch_mlp_class(cls)
-            patched.append(f"{module_name}.{name}.forward")
-    if missing:
-        logger.info("ddp_patches: tiled MLP skips families this transformers lacks: %s", ", ".join(missing))
-    logger.info("ddp_patches: tiled MLP leaves other MLP shapes untiled: %s", "; ".join(NOT_TILED))
-    return patched
+    _verdicts.clear()
+    REGISTRY.install(PreTrainedModel, "post_init", _discover_after_post_init)
+    patched = [f"{c.__module__}.{c.__qualname__}" for c in _imported_candidates() if _patch_class(c)]
+    logger.debug("ddp_patches: tiled MLP patched %d gate/up/down classes already imported", len(patched))
+    return ["transformers.PreTrainedModel.post_init (tiled-MLP discovery)"] + \
+        [f"{name}.forward" for name in sorted(patched)]

@@ -165,7 +165,8 @@ def test_shard_sizes_rule():
 def test_revert_restores_every_mlp_forward():
     before = {name: vars(mlp_models.mlp_class(name))["forward"] for name in mlp_models.MLP_CLASSES}
     report = ddp_patches.apply(tiled_mlp=True)
-    assert sum("MLP.forward" in name or "Mlp.forward" in name for name in report.installed) == 10
+    assert {f"{c.__module__}.{c.__qualname__}.forward" for c in map(mlp_models.mlp_class, mlp_models.MLP_CLASSES)} \
+        <= set(report.installed)
     for name in mlp_models.MLP_CLASSES:
         assert vars(mlp_models.mlp_class(name))["forward"].__wrapped__ is before[name]
     ddp_patches.revert()
@@ -179,11 +180,76 @@ def test_state_dict_keys_unchanged():
     assert list(mlp_models.build_stack("qwen2").state_dict()) == keys
 
 
-def test_missing_family_is_logged_not_fatal(monkeypatch, caplog):
-    monkeypatch.setattr(tiled_mlp, "TARGETS", tiled_mlp.TARGETS + (("Imaginary", "transformers.models.nope", ("X",)),))
-    with caplog.at_level(logging.INFO, logger="ddp_patches"):
-        ddp_patches.apply(tiled_mlp=True)
-    assert "skips families this transformers lacks: Imaginary" in caplog.text
+def _gated_class(name: str, *, mixes_tokens: bool = False, out: int = 16) -> type:
+    """A gate/up/down MLP class made at call time (so no class walk at apply() could have seen it)."""
+    from torch import nn
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, out)
+
+    def forward(self, x):
+        up = self.up_proj(x)
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * (up.softmax(-2) if mixes_tokens else up))
+
+    return type(name, (nn.Module,), {"__init__": __init__, "forward": forward})
+
+
+def discovery_case() -> dict:
+    """Three classes created after apply(), found when DDP wraps them: one tiles (with the untiled gradients),
+    one mixes tokens and one changes the width (both run untiled, each logged once with its reason)."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
+        classes = {"ok": _gated_class("NewFamilyMLP"), "mixing": _gated_class("TokenMixingMLP", mixes_tokens=True),
+                   "narrowing": _gated_class("NarrowingMLP", out=8)}
+        result = {}
+        for key, cls in classes.items():
+            torch.manual_seed(0)
+            model = DDP(nn.Sequential(cls()).double())
+            x = torch.randn(2, 9, 16, dtype=torch.float64)
+            before = tiled_mlp.counts()["tiled_calls"]
+            model(x).pow(2).sum().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+            with tiled_mlp.untiled():
+                model(x).pow(2).sum().backward()
+            result[key] = {"tiled": tiled_mlp.counts()["tiled_calls"] > before,
+                           "patched": "__wrapped__" in vars(vars(cls)["forward"]),
+                           "same_grads": all(torch.allclose(g, p.grad, rtol=1e-12, atol=1e-14)
+                                             for g, p in zip(grads, model.parameters())),
+                           "verdict": tiled_mlp._verdicts.get(cls)}
+    result["reverted"] = all("__wrapped__" not in vars(vars(c)["forward"]) for c in classes.values())
+    return result
+
+
+def test_mlps_found_by_structure_and_probed(pool):
+    for r in pool.run(discovery_case):
+        assert r["ok"] == {"tiled": True, "patched": True, "same_grads": True, "verdict": None}
+        assert r["mixing"]["patched"] and not r["mixing"]["tiled"] and r["mixing"]["same_grads"]
+        assert "depends on the other tokens" in r["mixing"]["verdict"]
+        assert r["narrowing"]["patched"] and not r["narrowing"]["tiled"]
+        assert "not to the same shape" in r["narrowing"]["verdict"]
+        assert r["reverted"]
+
+
+def auto_rule_case(tokens: int) -> dict:
+    """No shard size given: a call tiles only from AUTO_MIN_SHARDS ALST shards (tokens >= 8 x hidden) on."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with ddp_patches.patched(tiled_mlp=True):
+        model = DDP(mlp_models.build_stack("llama"))
+        mlp_models.stack_loss(model, torch.randn(1, tokens, mlp_models.HIDDEN, dtype=torch.float64)).backward()
+        return tiled_mlp.counts()
+
+
+@pytest.mark.parametrize("tokens,tiled", [(7 * mlp_models.HIDDEN, False), (8 * mlp_models.HIDDEN, True)])
+def test_auto_rule_tiles_only_where_it_pays(pool, tokens, tiled):
+    for counts in pool.run(auto_rule_case, tokens=tokens):
+        assert (counts["tiled_calls"] > 0) == tiled, counts
+        if tiled:
+            assert counts["shards"] == counts["tiled_calls"] * tiled_mlp.AUTO_MIN_SHARDS
 
 
 def vlm_case(lora_on_vision: bool) -> dict:

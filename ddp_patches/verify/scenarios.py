@@ -158,6 +158,15 @@ def _compiled_lm(ckpt_kwargs, accum=2):
     return run
 
 
+def _moe(family, ckpt_kwargs, accum=2, **ddp_kwargs):
+    def run():
+        from .moe_models import moe_parity
+
+        return moe_parity(family, ckpt_kwargs, ddp_kwargs=ddp_kwargs, accum=accum).as_dict()
+
+    return run
+
+
 def _trainer(kind, **kwargs):
     def run():
         from .trainer_runs import train
@@ -198,6 +207,11 @@ SCENARIOS = [
     Scenario("qwen2-vl-sft-vlm", "TRL SFTTrainer, Qwen2-VL, LoRA text + vision, rank 1 text-only, static graph, "
              "accum 2", _trainer("sft", family="qwen2_vl", ckpt_kwargs={"use_reentrant": True}, lora_on_vision=True,
                                  text_only_rank=1, static_graph=True), tolerance=None),
+    Scenario("qwen3-moe-lora-find-unused", "Qwen3-MoE LoRA on attention + experts + router, reentrant, "
+             "find_unused=True, accum 2 (experts idle differently per rank)",
+             _moe("qwen3_moe", {"use_reentrant": True}, find_unused_parameters=True)),
+    Scenario("mixtral-moe-static-accum", "Mixtral LoRA on attention + experts + router, default kwargs, static "
+             "graph, accum 2", _moe("mixtral", None, static_graph=True)),
     Scenario("hf-trainer-lora", "HF Trainer, LoRA, reentrant, ddp_static_graph, accum 2",
              _trainer("trainer", ckpt_kwargs={"use_reentrant": True}, static_graph=True), tolerance=None),
     Scenario("trl-sft-lora", "TRL SFTTrainer, LoRA, reentrant, ddp_static_graph, accum 2",

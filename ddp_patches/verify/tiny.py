@@ -20,11 +20,20 @@ MAX_PARAMS = 3_000_000
 # Size-like fields, small but consistent: heads x head_dim == hidden, experts >= top-k, ranks <= hidden.
 SIZES: dict[str, Any] = {
     "vocab_size": VOCAB,
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 8,
     "hidden_size": 32,
     "d_model": 32,
     "n_embd": 32,
     "embed_dim": 32,
     "intermediate_size": 64,
+    "intermediate_size_mlp": 64,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "encoder_layers": LAYERS,
+    "decoder_layers": LAYERS,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
     "ffn_hidden_size": 64,
     "moe_intermediate_size": 16,
     "expert_intermediate_size": 16,
@@ -68,10 +77,13 @@ SIZES: dict[str, Any] = {
     "out_hidden_size": 32,
     "projection_dim": 32,
     "vision_output_dim": 32,
+    "projector_input_dim": 32,
+    "projector_output_dim": 32,
+    "mm_tokens_per_image": 4,
 }
 # Sub-configs shrunk with the same table (composite models: VLMs, audio-text models).
 SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "language_config", "vision_tower_config",
-               "perceiver_config")
+               "perceiver_config", "qformer_config", "thinker_config", "talker_config")
 
 
 def config_class(model_type: str):
@@ -85,11 +97,18 @@ def shrink(values: dict, *, layers: int = LAYERS) -> dict:
     old_layers = next((values[k] for k in ("num_hidden_layers", "num_layers", "n_layer", "depth")
                        if isinstance(values.get(k), int)), None)
     out = {k: (layers if v == LAYERS else v) for k, v in SIZES.items() if k in values and values[k] is not None}
+    for k in out:
+        if isinstance(values[k], (list, tuple)):  # typed as a list (per-axis patch size, image size)
+            out[k] = [out[k]] * len(values[k])
     for key, value in values.items():
         if key in SUB_CONFIGS and isinstance(value, dict):
             out[key] = {**value, **shrink(value, layers=layers)}
         elif isinstance(value, list) and old_layers and len(value) == old_layers and old_layers != layers:
             out[key] = _cut(value, layers)  # per-layer lists: layer_types, mlp_only_layers as flags, ...
+        elif isinstance(value, dict) and "per_layer" in key:  # per-layer overrides keyed by layer index
+            out[key] = {k: v for k, v in value.items() if str(k).isdigit() and int(k) < layers}
+        elif key in ("rope_parameters", "rope_scaling") and isinstance(value, dict) and value.get("mrope_section"):
+            out[key] = {**value, "mrope_section": _mrope_sections(value["mrope_section"])}
         elif key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= VOCAB:
             out[key] = VOCAB - 1 - len([k for k in out if k.endswith(("_token_id", "_token_index"))])
         elif key in ("mlp_only_layers", "full_attn_idxs", "attn_layer_indices") and isinstance(value, list):
@@ -99,6 +118,29 @@ def shrink(values: dict, *, layers: int = LAYERS) -> dict:
     if "head_dim" in out and "hidden_size" in out and "num_attention_heads" in out:
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
     return out
+
+
+def _mrope_sections(sections: list[int]) -> list[int]:
+    """Multimodal rotary sections (t, h, w) summing to half the tiny head_dim, in the family's proportions."""
+    half = SIZES["head_dim"] // 2
+    raw = [half * s / sum(sections) for s in sections]
+    scaled = [max(1, int(r)) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)[: half - sum(scaled)]:
+        scaled[i] += 1
+    return scaled
+
+
+def _uses_mrope(model_type: str) -> bool:
+    """The family's modeling code reads ``mrope_section`` (with a full-size fallback when the config has none)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    package = model_type_to_module_name(model_type)
+    try:
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    except ImportError:
+        return False
+    with open(module.__file__, encoding="utf-8") as f:
+        return "mrope_section" in f.read()
 
 
 def _cut(per_layer: list, layers: int) -> list:
@@ -113,10 +155,17 @@ def tiny_config(model_type: str, *, layers: int = LAYERS, **extra):
     """The family's config with every size shrunk (eager attention, eager experts for fp64 on CPU)."""
     cls = config_class(model_type)
     defaults = cls().to_dict()
+    vision_cls = (getattr(cls, "sub_configs", None) or {}).get("vision_config")
+    if "vision_config" in defaults and defaults["vision_config"] is None and isinstance(vision_cls, type):
+        defaults["vision_config"] = vision_cls().to_dict()  # a VLM whose default is text-only (Gemma4)
     config = cls(**{**shrink(defaults, layers=layers), **extra})
+    mrope = _uses_mrope(model_type)
     for c in [config, *(getattr(config, k, None) for k in SUB_CONFIGS)]:
         if c is not None and hasattr(c, "tie_word_embeddings"):
             c.tie_word_embeddings = False
+        rope = getattr(c, "rope_parameters", None) if c is not None else None
+        if mrope and isinstance(rope, dict) and "mrope_section" not in rope:
+            rope["mrope_section"] = _mrope_sections([16, 24, 24])  # the modeling code's full-size fallback
     return config
 
 

@@ -29,6 +29,7 @@ def train(
     lora_on_vision: bool = False,
     text_only_rank: int | None = None,
     args_extra: dict | None = None,
+    setup=None,
 ) -> dict:
     """Run ``steps`` optimizer steps; return final loss, whether it is finite, and LoRA equality across ranks.
 
@@ -40,11 +41,13 @@ def train(
 
     torch.manual_seed(0)
     extra: dict = {}
-    vlm = family in vlm_models.SPECS
-    if vlm:
+    vlm = family in vlm_models.SPECS or setup is not None
+    # The process group may not exist yet (TrainingArguments creates it): the rank comes from torchrun's env.
+    text_only = text_only_rank is not None and int(os.environ.get("RANK", "0")) == text_only_rank
+    if setup is not None:
+        model, dataset, extra = setup(ckpt_kwargs, text_only=text_only)
+    elif vlm:
         model = vlm_models.build_vlm(family, ckpt_kwargs, lora_on_vision=lora_on_vision, qlora=qlora)
-        # The process group may not exist yet (TrainingArguments creates it): the rank comes from torchrun's env.
-        text_only = text_only_rank is not None and int(os.environ.get("RANK", "0")) == text_only_rank
         dataset = vlm_models.vlm_dataset(family, images=not text_only)
         extra = {"data_collator": vlm_models.make_collate(family)}
     elif family in moe_models.FAMILIES:
