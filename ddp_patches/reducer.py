@@ -91,10 +91,12 @@ def _some(names: list[str], shown: int = 8) -> str:
 
 def _patched_ddp_init(original_init):
     def __init__(self, *args, **kwargs):
+        module = args[0] if args else kwargs.get("module")
+        if is_distributed() and isinstance(module, torch.nn.Module):
+            checkpointing.check_recompute_routing(module)  # before DDP's first collective, on every rank alike
         original_init(self, *args, **kwargs)  # the settings as given: NOTE [find_unused is the user's]
         if not is_distributed():
             return
-        checkpointing.check_recompute_routing(self.module)
         tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
         REGISTRY.add_handle(self.register_forward_pre_hook(TrainableGuard(self)))
         edges = reach.install(self)

@@ -109,9 +109,9 @@ def build_lora_model(family: str, ckpt_kwargs: Any = None, *, qlora: bool = Fals
     return model
 
 
-def lm_batch(rank: int, it: int, micro: int) -> dict:
+def lm_batch(rank: int, it: int, micro: int, *, seq: int = SEQ) -> dict:
     g = torch.Generator().manual_seed(10_000 * rank + 100 * it + micro + 7)
-    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=g)
+    ids = torch.randint(1, VOCAB, (ROWS, seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -126,12 +126,15 @@ def lm_loss(model, batch: dict) -> torch.Tensor:
 
 
 def lm_parity(family: str, ckpt_kwargs: Any = None, *, qlora: bool = False, ddp_kwargs: dict | None = None,
-              accum: int = 1, iters: int = 2, reference_context=contextlib.nullcontext, wrap=None):
+              accum: int = 1, iters: int = 2, reference_context=contextlib.nullcontext, wrap=None, build=None,
+              batch=lm_batch):
+    """Parity of a LoRA language model: ``build`` (default: ``build_lora_model``) on ``batch(rank, it, micro)``
+    (default: ``lm_batch``), mean token loss, the ranks' batches concatenated for the reference."""
     from .parity import DDP, run_parity
 
     return run_parity(
-        lambda: build_lora_model(family, ckpt_kwargs, qlora=qlora),
-        lm_batch,
+        build or (lambda: build_lora_model(family, ckpt_kwargs, qlora=qlora)),
+        batch,
         combine_lm,
         lm_loss,
         ddp_kwargs=ddp_kwargs,

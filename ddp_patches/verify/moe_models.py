@@ -12,20 +12,19 @@ per-rank DDP average of it is not the single-process loss of the global batch (s
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import tiny
-from .hf_models import VOCAB, combine_lm, lm_loss
+from .hf_models import lm_batch, lm_loss, lm_parity
 
 # The MoE families named in the issue that have a causal-LM class; Qwen3-VL-MoE runs in the VLM sweep.
 FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe")
 PARITY_FAMILIES = ("qwen3_moe", "mixtral")
 EXPERTS, TOP_K = 8, 2
-ROWS, SEQ = 2, 6
+SEQ = 6  # tokens per row; 2 rows per rank
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
 
@@ -73,26 +72,13 @@ def build_moe_lora(family: str, ckpt_kwargs: Any = None, *, dtype=torch.float64,
 
 
 def moe_batch(rank: int, it: int, micro: int) -> dict:
-    g = torch.Generator().manual_seed(20_000 * rank + 100 * it + micro + 3)
-    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=g)
-    return {"input_ids": ids, "labels": ids.clone()}
+    return lm_batch(rank, it, micro, seq=SEQ)
 
 
 def moe_parity(family: str, ckpt_kwargs: Any = None, *, ddp_kwargs: dict | None = None, accum: int = 1,
-               iters: int = 2, reference_context=contextlib.nullcontext):
-    from .parity import run_parity
-
-    return run_parity(
-        lambda: build_moe_lora(family, ckpt_kwargs),
-        moe_batch,
-        combine_lm,
-        lm_loss,
-        ddp_kwargs=ddp_kwargs,
-        accum=accum,
-        iters=iters,
-        lr=0.5,
-        reference_context=reference_context,
-    )
+               iters: int = 2):
+    return lm_parity(family, ckpt_kwargs, ddp_kwargs=ddp_kwargs, accum=accum, iters=iters,
+                     build=lambda: build_moe_lora(family, ckpt_kwargs), batch=moe_batch)
 
 
 def idle_experts(model: nn.Module, batch: dict) -> list[int]:

@@ -208,22 +208,12 @@ def vlm_batch(family: str, rank: int, it: int, micro: int, rows: int = 2, *, tex
 def vlm_parity(family: str = "qwen2_vl", ckpt_kwargs: Any = None, *, lora_on_vision: bool = False,
                ddp_kwargs: dict | None = None, accum: int = 1, iters: int = 2,
                reference_context=contextlib.nullcontext, text_only_rank: int | None = None):
-    from .hf_models import combine_lm, lm_loss
-    from .parity import run_parity
+    from .hf_models import lm_parity
 
     def batch(r, i, m):
         b = vlm_batch(family, r, i, m, text_only_rank=text_only_rank)
         return {k: (v.double() if v.is_floating_point() else v) for k, v in b.items()}
 
-    return run_parity(
-        lambda: build_vlm(family, ckpt_kwargs, lora_on_vision=lora_on_vision, dtype=torch.float64),
-        batch,
-        combine_lm,
-        lm_loss,
-        ddp_kwargs=ddp_kwargs,
-        accum=accum,
-        iters=iters,
-        lr=0.5,
-        reference_context=reference_context,
-    )
-
+    return lm_parity(family, ckpt_kwargs, ddp_kwargs=ddp_kwargs, accum=accum, iters=iters,
+                     reference_context=reference_context, batch=batch,
+                     build=lambda: build_vlm(family, ckpt_kwargs, lora_on_vision=lora_on_vision, dtype=torch.float64))
