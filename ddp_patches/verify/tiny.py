@@ -105,10 +105,13 @@ def shrink(values: dict, *, layers: int = LAYERS) -> dict:
             out[key] = {**value, **shrink(value, layers=layers)}
         elif isinstance(value, list) and old_layers and len(value) == old_layers and old_layers != layers:
             out[key] = _cut(value, layers)  # per-layer lists: layer_types, mlp_only_layers as flags, ...
+        elif key == "image_grid_pinpoints" and isinstance(value, list):  # any-res tiling: one tile of the tiny size
+            out[key] = [[SIZES["image_size"], SIZES["image_size"]]]
         elif isinstance(value, dict) and "per_layer" in key:  # per-layer overrides keyed by layer index
             out[key] = {k: v for k, v in value.items() if str(k).isdigit() and int(k) < layers}
         elif key in ("rope_parameters", "rope_scaling") and isinstance(value, dict) and value.get("mrope_section"):
-            out[key] = {**value, "mrope_section": _mrope_sections(value["mrope_section"])}
+            fraction = value.get("partial_rotary_factor", values.get("partial_rotary_factor")) or 1.0
+            out[key] = {**value, "mrope_section": _mrope_sections(value["mrope_section"], fraction)}
         elif key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= VOCAB:
             out[key] = VOCAB - 1 - len([k for k in out if k.endswith(("_token_id", "_token_index"))])
         elif key in ("mlp_only_layers", "full_attn_idxs", "attn_layer_indices") and isinstance(value, list):
@@ -120,11 +123,12 @@ def shrink(values: dict, *, layers: int = LAYERS) -> dict:
     return out
 
 
-def _mrope_sections(sections: list[int]) -> list[int]:
-    """Multimodal rotary sections (t, h, w) summing to half the tiny head_dim, in the family's proportions."""
-    half = SIZES["head_dim"] // 2
+def _mrope_sections(sections: list[int], rotary_fraction: float = 1.0) -> list[int]:
+    """Multimodal rotary sections (t, h, w) summing to half the tiny head_dim's rotary part, in the family's
+    proportions."""
+    half = int(SIZES["head_dim"] * rotary_fraction) // 2
     raw = [half * s / sum(sections) for s in sections]
-    scaled = [max(1, int(r)) for r in raw]
+    scaled = [int(r) for r in raw]
     for i in sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)[: half - sum(scaled)]:
         scaled[i] += 1
     return scaled
@@ -132,8 +136,10 @@ def _mrope_sections(sections: list[int]) -> list[int]:
 
 def _uses_mrope(model_type: str) -> bool:
     """The family's modeling code reads ``mrope_section`` (with a full-size fallback when the config has none)."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
 
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return False
     package = model_type_to_module_name(model_type)
     try:
         module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
@@ -159,13 +165,15 @@ def tiny_config(model_type: str, *, layers: int = LAYERS, **extra):
     if "vision_config" in defaults and defaults["vision_config"] is None and isinstance(vision_cls, type):
         defaults["vision_config"] = vision_cls().to_dict()  # a VLM whose default is text-only (Gemma4)
     config = cls(**{**shrink(defaults, layers=layers), **extra})
-    mrope = _uses_mrope(model_type)
-    for c in [config, *(getattr(config, k, None) for k in SUB_CONFIGS)]:
-        if c is not None and hasattr(c, "tie_word_embeddings"):
+    configs = [c for c in [config, *(getattr(config, k, None) for k in SUB_CONFIGS)] if c is not None]
+    mrope = any(_uses_mrope(t) for t in {model_type, *(getattr(c, "model_type", "") for c in configs)} if t)
+    for c in configs:
+        if hasattr(c, "tie_word_embeddings"):
             c.tie_word_embeddings = False
-        rope = getattr(c, "rope_parameters", None) if c is not None else None
+        rope = getattr(c, "rope_parameters", None)
         if mrope and isinstance(rope, dict) and "mrope_section" not in rope:
-            rope["mrope_section"] = _mrope_sections([16, 24, 24])  # the modeling code's full-size fallback
+            fraction = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", None)) or 1.0
+            rope["mrope_section"] = _mrope_sections([16, 24, 24], fraction)  # the modeling code's fallback
     return config
 
 

@@ -2,7 +2,7 @@
 
 Nothing is written per family. The config is the family's defaults shrunk (``verify.tiny``); the image input is
 found by trying the layouts vision towers take -- ``[N, C, S, S]`` images, Qwen-style 2-D patches with
-``image_grid_thw``, Idefics-style ``[N, 1, C, S, S]`` -- through the model's own ``get_image_features``; the
+``image_grid_thw``, Idefics-style ``[N, 1, C, S, S]``, any-res ``[N, 2, C, S, S]`` tiles -- through the model's own ``get_image_features``; the
 number of placeholder tokens an image needs is the number of feature rows that call returns; the placeholder
 id is the config's ``image_token_id``/``image_token_index``; ``token_type_ids``/``mm_token_type_ids`` are
 passed when ``forward`` takes them (1 on image tokens). A family for which no layout gives a working forward
@@ -78,7 +78,11 @@ def _layouts(config, generator: torch.Generator) -> list[tuple[str, dict]]:
         ("patches", {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch,
                                                  generator=generator),
                      "image_grid_thw": torch.tensor([[1, side, side]])}),
-        ("nested", {"pixel_values": torch.randn(1, 1, channels, size, size, generator=generator)}),
+        ("nested", {"pixel_values": torch.randn(1, 1, channels, size, size, generator=generator),
+                    "image_sizes": torch.tensor([[size, size]])}),
+        # any-res (LLaVA-NeXT): the base image plus one tile of the only grid pinpoint
+        ("tiles", {"pixel_values": torch.randn(1, 2, channels, size, size, generator=generator),
+                   "image_sizes": torch.tensor([[size, size]])}),
     ]
 
 
