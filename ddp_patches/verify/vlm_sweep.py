@@ -110,10 +110,12 @@ def recipe(model) -> ImageRecipe:
     if get_features is None:
         raise ValueError("the model has no get_image_features to count an image's tokens with")
     takes = set(inspect.signature(model.forward).parameters)
+    accepted = set(inspect.signature(get_features).parameters)
+    special = _special_ids(config)
+    plain = next(i for i in range(3, tiny.VOCAB) if i not in special)
     errors = []
     g = torch.Generator().manual_seed(0)
     for layout, pixels in _layouts(config, g):
-        accepted = set(inspect.signature(get_features).parameters)
         if "image_grid_thw" in pixels and "image_grid_thw" not in accepted:
             continue
         pixels = {k: v for k, v in pixels.items() if k == "pixel_values" or k in accepted}
@@ -122,10 +124,9 @@ def recipe(model) -> ImageRecipe:
                 tokens = _count_rows(get_features(**pixels))
             if not 0 < tokens <= MAX_IMAGE_TOKENS:
                 raise ValueError(f"an image gives {tokens} feature rows")
-            special = _special_ids(config)
             candidate = ImageRecipe(layout, token, tokens, pixels,
                                     tuple(k for k in ("token_type_ids", "mm_token_type_ids") if k in takes),
-                                    special, next(i for i in range(3, tiny.VOCAB) if i not in special))
+                                    special, plain)
             batch = collate([example(candidate, i, vocab=_vocab(config)) for i in range(2)], candidate)
             with torch.no_grad():
                 loss = model(**batch).loss
