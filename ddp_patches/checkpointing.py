@@ -89,7 +89,7 @@ class RecomputeRoutingError(ValueError):
 
 def check_recompute_routing(model) -> None:
     """Raise RecomputeRoutingError for router noise with preserve_rng_state=False (NOTE above)."""
-    if not any(_drops_rng_state(m) for m in model.modules()):
+    if not any(_drops_rng_state(f) for f in gradient_checkpointing_funcs(model)):
         return
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
     noisy = sorted({f"{k}={v}" for c in configs.values() for k, v in _config_items(c)
@@ -109,10 +109,16 @@ def _config_items(config) -> list:
     return list(config.to_dict().items()) if hasattr(config, "to_dict") else []
 
 
-def _drops_rng_state(module) -> bool:
-    func = getattr(module, "_gradient_checkpointing_func", None)
-    return bool(getattr(module, "gradient_checkpointing", False)) and \
-        (getattr(func, "keywords", None) or {}).get("preserve_rng_state", True) is False
+def gradient_checkpointing_funcs(model) -> list:
+    """The checkpoint functions transformers bound on the layers of ``model`` that have checkpointing on."""
+    if model is None:
+        return []
+    return [m._gradient_checkpointing_func for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
+
+
+def _drops_rng_state(func) -> bool:
+    return (getattr(func, "keywords", None) or {}).get("preserve_rng_state", True) is False
 
 
 def _patch_torch_checkpoint_function() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import api, engines, versions
+from . import api, checkpointing, engines, versions
 
 _PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes")
 _TOWER = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|image_encoder)(\.|$)")
@@ -198,16 +198,9 @@ def _reducer_findings(model: Any, args: Any) -> list[Finding]:
     return found
 
 
-def _gradient_checkpointing_funcs(model: Any) -> list:
-    if model is None:
-        return []
-    return [m._gradient_checkpointing_func for m in model.modules()
-            if getattr(m, "gradient_checkpointing", False) and hasattr(m, "_gradient_checkpointing_func")]
-
-
 def _uses_reentrant(model: Any, args: Any) -> bool:
     """Reentrant when the layers' checkpoint partial says so, or the training args will enable it that way."""
-    for func in _gradient_checkpointing_funcs(model):
+    for func in checkpointing.gradient_checkpointing_funcs(model):
         keywords = getattr(func, "keywords", {}) or {}
         if keywords.get("use_reentrant", True):  # torch's default (no keyword) is reentrant
             return True
@@ -219,7 +212,7 @@ def _uses_reentrant(model: Any, args: Any) -> bool:
 
 
 def _transformers_offload(model: Any) -> bool:
-    for func in _gradient_checkpointing_funcs(model):
+    for func in checkpointing.gradient_checkpointing_funcs(model):
         inner = getattr(func, "func", func)
         if "save_on_cpu" in getattr(getattr(inner, "__code__", None), "co_names", ()):
             return True

@@ -90,9 +90,9 @@ def render(data: dict) -> str:
              f"Measured on CPU, 2 gloo ranks, transformers {v.get('transformers', '?')}, torch {v.get('torch', '?')}, "
              f"peft {v.get('peft', '?')}. Regenerate with `python -m ddp_patches.verify.compat`; "
              "`tests/test_sweeps.py` re-measures every row.", ""]
-    lines += _counts("Gate/up/down MLP classes (tiled vs untiled, fp64, 5-token shards)", mlp, "status")
-    lines += _counts("Image-text-to-text families (VLM Trainer scenario)", vlm, "status")
-    lines += _counts("MoE families (HF Trainer, LoRA on attention + experts + router)", moe, "status")
+    lines += _counts("Gate/up/down MLP classes (tiled vs untiled, fp64, 5-token shards)", mlp)
+    lines += _counts("Image-text-to-text families (VLM Trainer scenario)", vlm)
+    lines += _counts("MoE families (HF Trainer, LoRA on attention + experts + router)", moe)
     lines += ["", "<details><summary>MoE families</summary>", "", "| family | result | detail |", "|---|---|---|"]
     lines += [f"| {r['family']} | {r['status']} | {_cell(r['detail'])} |" for r in moe]
     lines += ["", "</details>", "", "<details><summary>Image-text-to-text families</summary>", "",
@@ -107,8 +107,8 @@ def render(data: dict) -> str:
     return "\n".join(lines)
 
 
-def _counts(title: str, rows: list[dict], key: str) -> list[str]:
-    counts = collections.Counter(r[key] for r in rows)
+def _counts(title: str, rows: list[dict]) -> list[str]:
+    counts = collections.Counter(r["status"] for r in rows)
     return [f"- {title}: {len(rows)} in all; " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from . import tiny
+from .parity import relative_error
 
 SHARD = 5
 TOL = 1e-9
@@ -143,7 +144,7 @@ def check_class(module: torch.nn.Module) -> Row:
     if not ran_tiled:
         row.status, row.detail = "untiled", tiled_mlp._verdicts.get(cls) or "not patched (discovery missed it)"
         return row
-    err = max(_rel(a, b) for a, b in zip(tiled, untiled))
+    err = max(relative_error(a, b) for a, b in zip(tiled, untiled))
     row.status, row.detail = ("tiled", f"{err:.1e}") if err <= TOL else ("failing", f"gradient error {err:.1e}")
     return row
 
@@ -155,12 +156,6 @@ def _grads(module: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     out.pow(2).sum().backward()
     return [out.detach(), x.grad] + [p.grad if p.grad is not None else torch.zeros_like(p)
                                      for p in module.parameters()]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item()
-    diff = (a - b).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 def sweep(part: int = 0, parts: int = 1) -> list[dict]:

@@ -81,6 +81,9 @@ SIZES: dict[str, Any] = {
     "projector_output_dim": 32,
     "mm_tokens_per_image": 4,
 }
+# The fields above that count layers (set to the requested layer count, not to LAYERS).
+LAYER_FIELDS = frozenset({"encoder_layers", "decoder_layers", "num_hidden_layers", "num_layers", "n_layer", "depth",
+                          "max_window_layers"})
 # Sub-configs shrunk with the same table (composite models: VLMs, audio-text models).
 SUB_CONFIGS = ("text_config", "vision_config", "audio_config", "language_config", "vision_tower_config",
                "perceiver_config", "qformer_config", "thinker_config", "talker_config")
@@ -96,7 +99,7 @@ def shrink(values: dict, *, layers: int = LAYERS) -> dict:
     """The overrides for a config whose defaults are ``values``: each size field it has, and layer lists cut."""
     old_layers = next((values[k] for k in ("num_hidden_layers", "num_layers", "n_layer", "depth")
                        if isinstance(values.get(k), int)), None)
-    out = {k: (layers if v == LAYERS else v) for k, v in SIZES.items() if k in values and values[k] is not None}
+    out = {k: (layers if k in LAYER_FIELDS else v) for k, v in SIZES.items() if k in values and values[k] is not None}
     for k in out:
         if isinstance(values[k], (list, tuple)):  # typed as a list (per-axis patch size, image size)
             out[k] = [out[k]] * len(values[k])
