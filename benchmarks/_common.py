@@ -13,15 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
-def launch_ranks(script: str, nproc: int, args: list[str], threads: int = 1) -> object:
+def launch_ranks(script: str, nproc: int, args: list[str], threads: int = 1, cuda: bool = False) -> object:
     """Run ``script --worker-out FILE *args`` on ``nproc`` gloo ranks (torchrun --standalone); return what rank 0
-    wrote to FILE (JSON). Raises RuntimeError when the ranks fail."""
+    wrote to FILE (JSON). The ranks see no GPU unless ``cuda``. Raises RuntimeError when the ranks fail."""
     with tempfile.TemporaryDirectory(prefix="ddp_patches_bench_") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                script, "--worker-out", out, *args]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        if not cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(out):
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
@@ -55,6 +57,19 @@ def peak_bytes(fn) -> int:
         current += event.self_cpu_memory_usage
         peak = max(peak, current)
     return peak
+
+
+def cuda_peak_bytes(fn) -> int:
+    """Peak of ACTIVE device bytes while ``fn`` runs, beyond what was active before: allocated plus freed blocks
+    not yet reusable (owed to another stream), what the next allocation competes with."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats()["active_bytes.all.current"]
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["active_bytes.all.peak"] - before
 
 
 def write_report(name: str, report: dict, out_dir: str = RESULTS) -> str:

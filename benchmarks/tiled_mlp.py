@@ -3,6 +3,8 @@
     python benchmarks/tiled_mlp.py                       # H=1024, I=4096, fp32, LoRA r=8, 1K..32K tokens
     python benchmarks/tiled_mlp.py --tokens 4096 8192 --repeats 3
     python benchmarks/tiled_mlp.py --smoke               # small sizes: checks the script only
+    python benchmarks/tiled_mlp.py --device cuda --hidden 4096 --intermediate 14336 --tokens 8192 32768
+                                                         # Llama-8B MLP, bf16, both ranks on the one GPU
 
 It starts 2 gloo ranks itself (torch.distributed.run). Each rank holds one Llama MLP with LoRA (r=8) in DDP,
 and for each token count runs the tiled and the untiled forward+backward alternately (untiled is the same module
@@ -28,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import finish, launch_ranks, peak_bytes, plot_pair, leave_group  # noqa: E402
+from benchmarks._common import cuda_peak_bytes, finish, launch_ranks, leave_group, peak_bytes, plot_pair  # noqa: E402
 
 NAME = "tiled_mlp"
 TOKENS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -53,8 +55,10 @@ def worker(args) -> None:
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=args.hidden, intermediate_size=args.intermediate, hidden_act="silu",
                              mlp_bias=False)
-    model = DDP(get_peft_model(LlamaMLP(config), LoraConfig(r=8, lora_alpha=16,
-                                                             target_modules=["gate_proj", "up_proj", "down_proj"])))
+    cuda = args.device == "cuda"
+    mlp = LlamaMLP(config).to("cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+    model = DDP(get_peft_model(mlp, LoraConfig(r=8, lora_alpha=16,
+                                               target_modules=["gate_proj", "up_proj", "down_proj"])))
     rows = _sweep(model, args)
     if dist.get_rank() == 0:
         with open(args.worker_out, "w") as f:
@@ -73,9 +77,11 @@ def _sweep(model, args) -> list:
     rank = dist.get_rank()
     rows = []
     for tokens in args.tokens:
+        cuda = args.device == "cuda"
+        place = dict(device="cuda", dtype=torch.bfloat16) if cuda else {}
         g = torch.Generator().manual_seed(rank)
-        x = torch.randn(1, tokens, args.hidden, generator=g)
-        grad = torch.randn(1, tokens, args.hidden, generator=g)
+        x = torch.randn(1, tokens, args.hidden, generator=g).to(**place)
+        grad = torch.randn(1, tokens, args.hidden, generator=g).to(**place)
 
         def step():
             model(x).backward(grad)
@@ -85,9 +91,12 @@ def _sweep(model, args) -> list:
             ctx = tiled_mlp.untiled() if not tiled else torch.enable_grad()
             with ctx:
                 if measure_memory:
-                    return peak_bytes(step)
+                    return cuda_peak_bytes(step) if cuda else peak_bytes(step)
+                sync = torch.cuda.synchronize if cuda else (lambda: None)
+                sync()
                 start = time.perf_counter()
                 step()
+                sync()
                 return time.perf_counter() - start
 
         run(True, False)  # warm-up
@@ -115,13 +124,14 @@ def _sweep(model, args) -> list:
 
 
 def run(quick: bool = False, *, tokens: list[int] | None = None, hidden: int = 1024, intermediate: int = 4096,
-        repeats: int | None = None, threads: int = 1) -> dict:
+        repeats: int | None = None, threads: int = 1, device: str = "cpu") -> dict:
     """Both variants side by side on 2 gloo ranks; one row per token count (rank 0's numbers, all ranks kept)."""
     tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
     repeats = repeats or (1 if quick else 3)
     per_token = launch_ranks(os.path.abspath(__file__), 2, [
         "--hidden", str(hidden), "--intermediate", str(intermediate), "--repeats", str(repeats),
-        "--threads", str(threads), "--tokens", *map(str, tokens)], threads=threads)
+        "--threads", str(threads), "--device", device, "--tokens", *map(str, tokens)], threads=threads,
+        cuda=device == "cuda")
     rows = []
     for ranks in per_token:
         r0 = dict(ranks[0])
@@ -133,8 +143,8 @@ def run(quick: bool = False, *, tokens: list[int] | None = None, hidden: int = 1
         rows.append(r0)
     return {
         "benchmark": NAME,
-        "setup": {"hidden": hidden, "intermediate": intermediate, "dtype": "float32", "lora_r": 8, "ranks": 2,
-                  "backend": "gloo", "threads_per_rank": threads, "repeats": repeats, "shard_rule": "ceil(T/H)"},
+        "setup": {"hidden": hidden, "intermediate": intermediate, "lora_r": 8, "ranks": 2, "device": device,
+                  "dtype": "bfloat16" if device == "cuda" else "float32", "backend": "gloo", "threads_per_rank": threads, "repeats": repeats, "shard_rule": "ceil(T/H)"},
         "targets": {"memory": TARGETS, "time_ratio_max": TIME_TARGET},
         "rows": rows,
     }
@@ -188,7 +198,8 @@ def summarize(report: dict) -> list[str]:
         target = f">= {r['mem_target']:g}x memory, <= {TIME_TARGET}x time" if r["mem_target"] else \
             f"<= {TIME_TARGET}x time"
         how = "tiled" if _tiles(r) == "yes" else "runs untiled (auto rule)"
-        out.append(f"| tiled MLP, {r['tokens']} tokens, {how} (CPU, 2 ranks) | {r['mem_ratio']:.2f}x less memory, "
+        where = "GPU" if report["setup"].get("device") == "cuda" else "CPU"
+        out.append(f"| tiled MLP, {r['tokens']} tokens, {how} ({where}, 2 ranks) | {r['mem_ratio']:.2f}x less memory, "
                    f"{r['time_ratio']:.2f}x time | {target} | "
                    f"{'missed: ' + '; '.join(r['misses']) if r['misses'] else 'met'} |")
     return out
@@ -204,6 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="1K..8K tokens, 1 repeat")
     p.add_argument("--smoke", action="store_true", help="H=64, I=256, 512/1024 tokens: checks the script only")
     p.add_argument("--out-dir", default=None, help="where <name>.json and the plots go (default benchmarks/results)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: both ranks on the visible GPU(s), bf16, active-byte peaks")
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
@@ -212,7 +225,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     report = run(args.quick, tokens=args.tokens, hidden=args.hidden, intermediate=args.intermediate,
-                 repeats=args.repeats, threads=args.threads)
+                 repeats=args.repeats, threads=args.threads, device=args.device)
     finish(sys.modules[__name__], report, args.out_dir)
     return 0
 

@@ -30,6 +30,8 @@ _EXPORTS = {
     "OffloadStats": ("offload", "OffloadStats"),
     "offload_stats": ("offload", "stats"),
     "TrainableParametersChangedError": ("reducer", "TrainableParametersChangedError"),
+    "UnsynchronizedGradientsError": ("guard", "UnsynchronizedGradientsError"),
+    "ReplicaDivergenceError": ("guard", "ReplicaDivergenceError"),
     "UnsupportedVersionError": ("versions", "UnsupportedVersionError"),
 }
 

@@ -30,6 +30,7 @@ class PatchRegistry:
     def __init__(self) -> None:
         self._patches: dict[tuple[int, str], _Patch] = {}
         self._handles: list[Any] = []
+        self._instance_handles: list[Any] = []  # NOTE [Live DDPs stay protected]
 
     def original(self, owner: Any, name: str) -> Any:
         """What ``owner.name`` was before it was patched (the live attribute when it is not patched)."""
@@ -65,12 +66,20 @@ class PatchRegistry:
         """Keep a ``torch.utils.hooks.RemovableHandle`` (it holds its hook dict weakly) for revert()."""
         self._handles.append(handle)
 
-    def restore_all(self) -> list[str]:
-        """Undo everything, newest first; return the names restored."""
+    def add_instance_handle(self, handle: Any) -> None:
+        """A hook that protects one live DDP instance (NOTE [Live DDPs stay protected]); removed by revert() only."""
+        self._instance_handles.append(handle)
+
+    def restore_all(self, keep_instances: bool = False) -> list[str]:
+        """Undo everything, newest first; return the names restored. ``keep_instances``: leave the hooks that
+        protect live DDP instances in place (a re-apply that keeps the reducer patches)."""
         restored = []
-        for handle in reversed(self._handles):
+        handles = self._handles if keep_instances else self._instance_handles + self._handles
+        for handle in reversed(handles):
             handle.remove()
         self._handles.clear()
+        if not keep_instances:
+            self._instance_handles.clear()
         for patch in reversed(list(self._patches.values())):
             current = vars(patch.owner).get(patch.name)
             if current is not patch.replacement:

@@ -7,14 +7,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from . import autoapply as _autoapply
 from . import checkpointing as _checkpointing_patch
 from . import engines as _engines
+from . import guard as _guard
 from . import offload as _offload_patch
+from . import offload_probes as _offload_probes
+from . import probes as _probes
 from . import reducer as _reducer_patch
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from ._registry import REGISTRY
-from .distributed import log_rank0_once, reset_log_once
+from .distributed import forget_pending, log_rank0_once, reset_log_once
 
 logger = logging.getLogger("ddp_patches")
 
@@ -32,6 +36,8 @@ class ApplyReport:
 
     def __str__(self) -> str:
         text = "ddp_patches installed: " + (", ".join(self.installed) or "nothing")
+        if self.options.get("offload") is False:
+            text += "; offload off (opt-in: apply(offload=True); proven on one H100 so far)"
         return text + "".join(f"; {note}" for note in (*self.notes, self.engine) if note)
 
 
@@ -42,11 +48,13 @@ def apply(
     *,
     checkpointing: bool = True,
     reducer: bool = True,
-    offload: bool | str = "auto",
+    offload: bool | str = False,
     tiled_mlp: bool = False,
     tiled_mlp_shard_tokens: int | None = None,
     offload_min_bytes: int = _offload_patch.DEFAULT_MIN_BYTES,
     offload_max_pinned_bytes: int | None = None,
+    on_unsynced: str = "warn",
+    replica_check_every: int = _guard.DEFAULT_REPLICA_CHECK_EVERY,
 ) -> ApplyReport:
     """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
 
@@ -61,9 +69,10 @@ def apply(
         reducer: choose safe DDP settings at construction, make static_graph work with gradient accumulation,
             and check the trainable-parameter set at each forward.
         offload: move the inputs of each non-reentrant checkpoint (a layer's input hidden states) to pinned host
-            memory between forward and backward. "auto" (default) does it when distributed and the tensors are
-            on a CUDA device; True asks for it and logs a warning where it cannot act (single process, CPU-only
-            host); False leaves checkpoints alone.
+            memory between forward and backward. Opt-in (default False): its CUDA path has been proven on one
+            H100 only (README, "Offload"). True does it when distributed and the tensors are on a CUDA device,
+            and logs a warning where it cannot act (single process, CPU-only host). "auto", the old default, now
+            means False and says so in one WARNING line.
         offload_min_bytes: tensors smaller than this stay on the device (default 1 MiB).
         offload_max_pinned_bytes: per-rank cap of pinned host memory for offload (default: a quarter of
             physical RAM divided by LOCAL_WORLD_SIZE); beyond it tensors stay on the device.
@@ -73,15 +82,27 @@ def apply(
         tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: ceil(tokens /
             hidden_size) shards, and a call tiles only from 8 shards on (NOTE [When tiling pays]). Used with
             ``tiled_mlp``.
+        on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
+            went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
+            parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the
+            replica check, if on, then only logs). ddp_patches/guard.py.
+        replica_check_every: compare a fingerprint of the trainable parameters across ranks before the first and
+            the second optimizer step and then before every this-many-th (0: never).
     """
     options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
+    if options["offload"] == "auto":
+        log_rank0_once("offload-auto", logging.WARNING, "ddp_patches: offload='auto' now means offload=False "
+                       "(%s); pass offload=True to turn it on", _offload_patch.WHY_OPT_IN)
+        options["offload"] = False
     options.update(_validate_offload_sizes(offload_min_bytes, offload_max_pinned_bytes))
+    options.update(_validate_guard(on_unsynced, replica_check_every))
+    _autoapply.settle()  # a runner's apply() deferred past an import chain comes first (NOTE [Import-safe ...])
     current = _state["report"]
     if current is not None:
         if current.options == options:
             return current
         logger.info("ddp_patches: apply() called again with other options; re-applying")
-        revert()
+        _revert(keep_instances=options["reducer"])  # NOTE [Live DDPs stay protected]
     versions.check()
 
     installed: list[str] = []
@@ -98,14 +119,19 @@ def apply(
                 min_bytes=options["offload_min_bytes"],
                 max_pinned_bytes=options["offload_max_pinned_bytes"],
             )
-        notice = _engines.install_compile_notice()
-        if notice is not None:
-            REGISTRY.add_handle(notice)
+        installed += _guard.install(on_unsynced=options["on_unsynced"],
+                                    replica_check_every=options["replica_check_every"])
+        _engines.install_compile_notice()
     except BaseException:
         REGISTRY.restore_all()  # all or nothing
+        _probes.forget()  # an interrupted apply() leaves no verdict behind for the next one
+        _offload_probes.forget()
         raise
     _warn_ignored(options)
+    if options["reducer"]:
+        _reducer_patch.warn_unprotected()
     notes = [] if options["offload"] is False else [versions.offload_unsupported_reason()]
+    notes += [_probes.note(patch) for patch in ("checkpointing", "reducer", "no_sync", "teardown", "offload")]
     report = ApplyReport(tuple(installed), options, tuple(n for n in notes if n), _engines.summary())
     _state["report"] = report
     log_rank0_once("apply-report", logging.INFO, "%s", report)
@@ -115,11 +141,24 @@ def apply(
 def revert() -> list[str]:
     """Restore every patched object by identity and remove the hooks. Safe to call when nothing is applied.
 
-    DDP instances built while patched keep the settings they were built with.
+    DDP instances built while patched keep the settings they were built with, and lose the library's hooks.
     """
-    restored = REGISTRY.restore_all()
+    return _revert(keep_instances=False)
+
+
+# NOTE [Live DDPs stay protected]
+# The hooks that protect one DDP instance (the trainable-set guard, the unused-parameter rescue of reach.py) are
+# installed when it is built, once. A re-apply with other options (apply(offload=False) after apply(), or a
+# ``patched(...)`` block) reverts and installs the class patches again, but builds no DDP: removing those hooks
+# would leave every live DDP unprotected, and its next step would fail ("finished reduction"). So a re-apply that
+# keeps reducer=True keeps them; revert() and a re-apply with reducer=False remove them.
+def _revert(keep_instances: bool) -> list[str]:
+    restored = REGISTRY.restore_all(keep_instances=keep_instances)
     _state["report"] = None
     reset_log_once()
+    forget_pending()
+    _probes.forget()  # NOTE [Probed assumptions]: a later apply() probes again
+    _offload_probes.forget()
     _engines.forget()
     return restored
 
@@ -130,14 +169,17 @@ def is_applied() -> bool:
 
 @contextlib.contextmanager
 def patched(**options) -> Iterator[ApplyReport]:
-    """``with ddp_patches.patched(): ...`` applies on entry and reverts on exit, even on error."""
-    was_applied = is_applied()
+    """``with ddp_patches.patched(): ...`` applies on entry and, on exit (also on error), reverts -- or, when
+    apply() was already in force, goes back to the options it had."""
+    previous = _state["report"]
     report = apply(**options)
     try:
         yield report
     finally:
-        if not was_applied:
+        if previous is None:
             revert()
+        else:
+            apply(**previous.options)  # the options in force before the block, exactly (a no-op if unchanged)
 
 
 def _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens) -> dict:
@@ -173,6 +215,15 @@ def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:
             expected = "None (automatic) or " if allow_none else ""
             raise ValueError(f"ddp_patches.apply({name}=...) expects {expected}a number of bytes >= 0, got {value!r}")
     return {"offload_min_bytes": min_bytes, "offload_max_pinned_bytes": max_pinned_bytes}
+
+
+def _validate_guard(on_unsynced, replica_check_every) -> dict:
+    if on_unsynced not in _guard.ON_UNSYNCED_CHOICES:
+        raise ValueError(f"ddp_patches.apply(on_unsynced=...) expects 'warn', 'raise' or 'off', got {on_unsynced!r}")
+    if isinstance(replica_check_every, bool) or not isinstance(replica_check_every, int) or replica_check_every < 0:
+        raise ValueError("ddp_patches.apply(replica_check_every=...) expects a number of optimizer steps >= 0 "
+                         f"(0: off), got {replica_check_every!r}")
+    return {"on_unsynced": on_unsynced, "replica_check_every": replica_check_every}
 
 
 def _warn_ignored(options: dict) -> None:

@@ -12,7 +12,7 @@ Options (each also an environment variable, which is what the child processes re
 
     --checkpointing true|false          DDP_PATCHES_CHECKPOINTING
     --reducer true|false                DDP_PATCHES_REDUCER
-    --offload auto|true|false           DDP_PATCHES_OFFLOAD
+    --offload true|false                DDP_PATCHES_OFFLOAD (opt-in; "auto" is read as false)
     --offload-min-bytes N               DDP_PATCHES_OFFLOAD_MIN_BYTES
     --offload-max-pinned-bytes N|auto   DDP_PATCHES_OFFLOAD_MAX_PINNED_BYTES
     --tiled-mlp true|false              DDP_PATCHES_TILED_MLP
@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import sys
+import types
 from typing import Callable
 
 ENABLE = "DDP_PATCHES_APPLY"
@@ -69,6 +70,13 @@ def _count_or_auto(text: str) -> int | None:
     return None if text.strip().lower() in ("auto", "none", "") else _count(text)
 
 
+def _on_unsynced(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("warn", "raise", "off"):
+        raise ValueError("expected warn, raise or off")
+    return value
+
+
 # apply() keyword -> how its value is read from text. tests/test_autoapply.py checks it covers apply() exactly.
 OPTIONS: dict[str, Callable[[str], object]] = {
     "checkpointing": _bool,
@@ -78,6 +86,8 @@ OPTIONS: dict[str, Callable[[str], object]] = {
     "offload_max_pinned_bytes": _count_or_auto,
     "tiled_mlp": _bool,
     "tiled_mlp_shard_tokens": _count_or_auto,
+    "on_unsynced": _on_unsynced,  # ddp_patches/guard.py
+    "replica_check_every": _count,
 }
 
 
@@ -149,13 +159,85 @@ class _ApplyAfterTorchImport:
 
 
 def apply_from_env() -> None:
-    """What the start-up hook runs once torch is imported: apply() with the options in the environment."""
+    """apply() with the options in the environment."""
     level = os.environ.get(LOG_LEVEL)
     if level:
         _show_logs(level)
     import ddp_patches
 
     ddp_patches.apply(**options_from_env())
+
+
+# NOTE [Import-safe at torch import]
+# torch is often imported from inside another module's import: ``import ddp_patches; ddp_patches.apply()`` loads
+# ddp_patches.api, which imports torch (apply() would re-enter the half-initialised api: AttributeError
+# "partially initialized module 'ddp_patches.api'"); ``import transformers`` / ``accelerate`` / ``trl sft`` import
+# torch inside their own chain (apply(tiled_mlp=True) imports transformers: ImportError "partially initialized
+# module 'transformers.configuration_utils'"). So the hook applies at once only when torch is the outermost
+# import still executing; otherwise it defers apply() to its first use, which always comes after the imports:
+# the creation of the process group (every patch acts only when distributed), the construction of a DDP, or the
+# script's own apply(). Until then three thin stand-ins (init_process_group, twice, and DDP.__init__) wait, each
+# putting back the originals and applying before it hands the call on.
+def _import_in_progress() -> bool:
+    """True while a module other than torch is still executing its body: we are inside someone's import."""
+    for name, module in list(sys.modules.items()):
+        if name == "torch" or name.startswith("torch."):
+            continue
+        if getattr(_spec_of(module), "_initializing", False):
+            return True
+    return False
+
+
+def _spec_of(module):
+    """A module's ``__spec__`` without running it: reading an attribute of a lazily loaded module
+    (importlib.util.LazyLoader, the lazy_loader package) executes its body, which may raise."""
+    try:
+        return types.ModuleType.__getattribute__(module, "__spec__")
+    except Exception:  # noqa: BLE001 -- not a module (some libraries put other objects in sys.modules)
+        return None
+
+
+_pending: list[tuple[object, str, object]] = []  # (owner, name, original) of the stand-ins waiting
+
+
+def apply_after_torch_import() -> None:
+    """What the start-up hook runs once torch is imported (NOTE [Import-safe at torch import])."""
+    if not _import_in_progress():
+        apply_from_env()
+        return
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.nn.parallel import DistributedDataParallel
+
+    for owner, name in ((dist, "init_process_group"), (distributed_c10d, "init_process_group"),
+                        (DistributedDataParallel, "__init__")):
+        original = vars(owner)[name]
+        _pending.append((owner, name, original))
+        setattr(owner, name, _stand_in(owner, name, original))
+
+
+def _stand_in(owner, name: str, original):
+    def first_use(*args, **kwargs):
+        settle()
+        return getattr(owner, name)(*args, **kwargs)  # the original, or apply()'s patch of it
+
+    first_use.__wrapped__ = original
+    first_use.__name__ = getattr(original, "__name__", name)
+    first_use.__qualname__ = getattr(original, "__qualname__", name)
+    return first_use
+
+
+def settle() -> None:
+    """Run a deferred apply() now, once (apply() calls it first, so the environment's options come before the
+    script's own)."""
+    if not _pending:
+        return
+    waiting = list(_pending)
+    _pending.clear()
+    for owner, name, original in waiting:
+        if getattr(vars(owner).get(name), "__wrapped__", None) is original:
+            setattr(owner, name, original)
+    apply_from_env()
 
 
 def _show_logs(level: str) -> None:
@@ -171,11 +253,29 @@ def bootstrap() -> None:
     """Called from ``_bootstrap/sitecustomize.py`` at interpreter start-up."""
     if os.environ.get(ENABLE) != "1":
         return
-    options_from_env()  # a bad value fails here, in every process, with the variable's name
+    try:  # a bad value stops this process here, naming the variable (an exception would only be printed by
+        check_environment()  # site.py as "Error in sitecustomize", and the script would run unpatched)
+    except ValueError as e:
+        sys.stderr.write(f"{e}\n")
+        sys.stderr.flush()
+        os._exit(2)
     if "torch" in sys.modules:  # imported by a .pth file before us: apply now
         apply_from_env()
     else:
-        sys.meta_path.insert(0, _ApplyAfterTorchImport(apply_from_env))
+        sys.meta_path.insert(0, _ApplyAfterTorchImport(apply_after_torch_import))
+
+
+def check_environment(environ: dict | None = None) -> dict:
+    """The options in the environment, and its log level; a bad value raises ValueError naming the variable."""
+    environ = os.environ if environ is None else environ
+    level = environ.get(LOG_LEVEL)
+    if level and not _is_level(level):
+        raise ValueError(f"ddp_patches: {LOG_LEVEL}={level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
+    return options_from_env(environ)
+
+
+def _is_level(text: str) -> bool:
+    return isinstance(logging.getLevelName(text.strip().upper()), int)
 
 
 def chain_user_sitecustomize(this_module) -> None:
@@ -235,8 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_options(given, lambda name: "--" + name.replace("_", "-"))
     except ValueError as e:
         parser.error(str(e))
-    if args.log_level and not isinstance(logging.getLevelName(args.log_level.upper()), int):
+    if args.log_level and not _is_level(args.log_level):
         parser.error(f"--log-level {args.log_level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
+    # What the command line does not set, the environment does, in every child: check it before launching.
+    inherited = {k: v for k, v in os.environ.items()
+                 if k.startswith(PREFIX) and k[len(PREFIX):].lower() not in given and not (k == LOG_LEVEL and args.log_level)}
+    try:
+        check_environment(inherited)
+    except ValueError as e:
+        parser.error(str(e))
     executable = shutil.which(command[0])
     if executable is None:
         parser.error(f"command not found: {command[0]!r}")

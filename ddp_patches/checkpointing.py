@@ -28,12 +28,14 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 
+import torch
 import torch.distributed as torch_distributed
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import engines
+from . import engines, probes
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -125,6 +127,68 @@ def _patch_torch_checkpoint_function() -> None:
     REGISTRY.install(torch_checkpoint, "CheckpointFunction", _make_non_reentrant_under_ddp)
 
 
+# -- what the swap assumes (NOTE [Probed assumptions] in ddp_patches/probes.py) ---------------------------------
+def _check_reentrant_call_site() -> None:
+    """checkpoint(use_reentrant=True) calls the module global CheckpointFunction.apply(function, preserve, *args),
+    looked up at call time; the result's gradient is the direct one."""
+    original = vars(torch_checkpoint).get("CheckpointFunction")
+    probes.expect(isinstance(original, type) and issubclass(original, torch.autograd.Function),
+                  f"torch.utils.checkpoint.CheckpointFunction is {original!r}, not an autograd.Function")
+    calls = []
+
+    class Spy(original):
+        @classmethod
+        def apply(cls, *args):
+            calls.append(args)
+            return original.apply(*args)
+
+    def fn(t):
+        return t * 3
+
+    x = torch.ones(2, dtype=torch.float32, requires_grad=True)
+    torch_checkpoint.CheckpointFunction = Spy
+    try:  # unwrapped: torch's @_disable_dynamo wrapper would import dynamo (seconds) at apply()
+        out = inspect.unwrap(torch_checkpoint.checkpoint)(fn, x, use_reentrant=True, preserve_rng_state=False)
+    finally:
+        torch_checkpoint.CheckpointFunction = original
+    probes.expect(len(calls) == 1 and calls[0][0] is fn and calls[0][1] is False and calls[0][2] is x,
+                  f"checkpoint(use_reentrant=True) made {len(calls)} call(s) to CheckpointFunction.apply, not one "
+                  "with (function, preserve_rng_state, *args)")
+    probes.expect(torch.equal(out.detach(), torch.full((2,), 3.0, dtype=torch.float32)) and out.grad_fn is not None,
+                  "the reentrant checkpoint's output is wrong or not differentiable")
+
+
+def _check_non_reentrant_keywords() -> None:
+    """The swap calls checkpoint(function, *args, use_reentrant=False, preserve_rng_state=...)."""
+    params = inspect.signature(torch_checkpoint.checkpoint).parameters
+    missing = [k for k in ("use_reentrant", "preserve_rng_state") if k not in params
+               and not any(p.kind is p.VAR_KEYWORD for p in params.values())]
+    probes.expect(not missing, f"checkpoint() takes no {', '.join(missing)}")
+
+
+def _check_engine_internals() -> None:
+    """The swap asks engines.py whether a backward is running and whether a DDP forward is active."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    probes.has(torch._C, "_current_graph_task_id")
+    probes.has(DistributedDataParallel, "_get_active_ddp_module")
+    probes.expect(torch._C._current_graph_task_id() == -1, "_current_graph_task_id() outside a backward is not -1")
+
+
+ASSUMPTIONS = (
+    probes.Assumption("reentrant-call-site", "checkpoint(use_reentrant=True) calls the module global "
+                      "torch.utils.checkpoint.CheckpointFunction.apply(function, preserve_rng_state, *args) "
+                      "(NOTE [Why non-reentrant, and why patch CheckpointFunction])", _check_reentrant_call_site),
+    probes.Assumption("non-reentrant-keywords", "checkpoint() accepts use_reentrant= and preserve_rng_state=",
+                      _check_non_reentrant_keywords),
+    probes.Assumption("engine-internals", "torch._C._current_graph_task_id() (-1 outside a backward) and "
+                      "DistributedDataParallel._get_active_ddp_module() exist (ddp_patches/engines.py)",
+                      _check_engine_internals),
+)
+
+
 def install() -> list[str]:
+    if not probes.verify("checkpointing", ASSUMPTIONS, "Reentrant checkpoints stay reentrant under DDP (no swap)"):
+        return []
     _patch_torch_checkpoint_function()
     return [TARGET]

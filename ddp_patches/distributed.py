@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger("ddp_patches")
@@ -16,9 +17,27 @@ logger = logging.getLogger("ddp_patches")
 _logged_once: set[str] = set()
 
 
+_on_first: list = []  # called once, the first time is_distributed() is True (NOTE [Compile notice armed lazily])
+
+
 def is_distributed() -> bool:
     """True only when a default process group is initialized with world size > 1."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    result = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if result and _on_first and not torch.compiler.is_compiling():  # never while dynamo traces
+        waiting = list(_on_first)
+        _on_first.clear()
+        for callback in waiting:
+            callback()
+    return result
+
+
+def on_first_distributed(callback) -> None:
+    _on_first.append(callback)
+
+
+def forget_pending() -> None:
+    """Drop what waits for the first distributed call (revert() calls it)."""
+    _on_first.clear()
 
 
 def rank() -> int:

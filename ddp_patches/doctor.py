@@ -75,7 +75,7 @@ def installed_versions() -> dict:
     return found
 
 
-def would_change(tiled_mlp: bool = False) -> list[str]:
+def would_change(tiled_mlp: bool = False, offload: bool = False) -> list[str]:
     changes = [
         "torch.utils.checkpoint.CheckpointFunction: reentrant checkpoints inside a DDP forward run as "
         "use_reentrant=False",
@@ -84,10 +84,18 @@ def would_change(tiled_mlp: bool = False) -> list[str]:
         "DistributedDataParallel.no_sync: the first static-graph backward is synchronised",
         "each DDP forward: raises if the trainable parameter set changed after wrapping",
         "torch.distributed.destroy_process_group: first releases the reducers of DDPs built on that group",
-        "non-reentrant checkpoints: inputs offloaded to pinned host memory (CUDA only, torch >= 2.8; offload='auto')",
+        "torch.optim global step hooks (ddp_patches.guard, DDP only): before a step that would apply gradients DDP "
+        "never averaged (a loss through `.module` / an unwrapped model) one WARNING on every rank "
+        "(apply(on_unsynced='raise') raises); before steps 1 and 2 and every replica_check_every-th (100), each "
+        "rank compares a fingerprint of its trainable parameters with rank 0's through the rendezvous store and "
+        "logs an ERROR naming the first differing parameter (never a collective, never a hang)",
         "each patch acts only under the engines it is proven for (checkpoint swap and reducer: DDP; offload and "
         "tiled MLP: DDP and FSDP2) and steps aside elsewhere with one WARNING line",
     ]
+    if offload:
+        changes.append("non-reentrant checkpoints: inputs offloaded to pinned host memory (CUDA only, torch >= 2.8)")
+    else:
+        changes.append("offload of checkpoint inputs: off (opt-in, apply(offload=True): proven on one H100 so far)")
     if tiled_mlp:
         changes.append("gate/up/down MLPs (found by structure, any family): tiled along the tokens from 8 x hidden "
                        "tokens per call on")
@@ -107,7 +115,24 @@ def diagnose(model: Any = None, args: Any = None, *, tiled_mlp: bool = False) ->
     d.findings += _engine_findings(args)
     d.findings += _checkpoint_findings(model, args)
     d.findings += _reducer_findings(model, args)
+    d.findings += _unwrapped_loss_findings(args)
     return d
+
+
+def _unwrapped_loss_findings(args: Any) -> list[Finding]:
+    """A trainer configuration known to compute the loss on the unwrapped model (trl#7245: DPO/KTO with Liger)."""
+    if args is None or not getattr(args, "use_liger_kernel", False):
+        return []
+    kind = type(args).__name__
+    if not any(name in kind for name in ("DPO", "KTO")):
+        return []
+    return [Finding(
+        "unwrapped-loss", "warning", f"{kind}(use_liger_kernel=True)",
+        "no error: reported to compute the loss on the unwrapped model (trl#7245), so DDP never averages the "
+        "gradients and the ranks drift apart; under ddp_patches.apply() the guard says so at the first optimizer "
+        "step, on every rank",
+        "use_liger_kernel=False, or a TRL version that routes the Liger loss through the DDP wrapper; "
+        "ddp_patches.apply(on_unsynced='raise') stops such a run at its first step")]
 
 
 def _version_findings(found: dict) -> list[Finding]:
@@ -174,7 +199,7 @@ def _checkpoint_findings(model: Any, args: Any) -> list[Finding]:
         found.append(Finding(
             "transformers-offload-on-cpu-host", "error", "activation_checkpointing_enable(offload=True) on a host "
             "without CUDA", "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend",
-            "drop offload=True; ddp_patches.apply() offloads checkpoint inputs itself where a GPU exists"))
+            "drop offload=True; ddp_patches.apply(offload=True) offloads checkpoint inputs itself where a GPU exists"))
     return found
 
 

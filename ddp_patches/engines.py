@@ -14,17 +14,20 @@
 #   * the reducer patches are DDP's by construction.
 #   * under torch.compile, dynamo traces checkpoints as its own operator: neither CheckpointFunction nor the
 #     non-reentrant generator runs, so swap and offload cannot act inside compiled code, and the tiled MLP and the
-#     reachability walk step aside while dynamo traces. Compiled DDP trains with parity without them.
+#     unused-parameter rescue step aside while dynamo traces. Compiled DDP trains with parity without them.
 #
 # How the engine is found, cheapest first:
 #   1. ``torch.compiler.is_compiling()``: dynamo is tracing this code.
-#   2. DeepSpeed ZeRO-3: transformers' ``is_deepspeed_zero3_enabled()`` (an ``HfDeepSpeedConfig`` is alive; no
-#      engine needs to run) or partitioned parameters (``ds_id``) on the module.
+#   2. DeepSpeed ZeRO-3: partitioned parameters (``ds_id``) on the module.
 #   3. DDP: ``DistributedDataParallel._active_ddp_module``, which DDP itself sets for the length of its forward
-#      (dynamo's DDPOptimizer reads the same marker), so no hook of ours is needed.
+#      (dynamo's DDPOptimizer reads the same marker), or a module that a live DDP wraps (a loss-side checkpoint of
+#      the head, outside the forward).
 #   4. FSDP2 / FSDP1: the module lies under a module that ``fully_shard`` (or FSDP1) registered in torch's
 #      composable-state table, or holds FSDP1's flattened parameters. Cached per module.
-#   5. none of these: "no engine" (a model outside any wrapper, or an engine this library does not know).
+#   5. DeepSpeed ZeRO-3 by the process-wide switch: transformers' ``is_deepspeed_zero3_enabled()`` (an
+#      ``HfDeepSpeedConfig`` is alive; no engine needs to run), only where 2-4 found nothing (NOTE [The engine is
+#      the module's owner's]).
+#   6. none of these: "no engine" (a model outside any wrapper, or an engine this library does not know).
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def step_aside(patch: str, engine: str) -> None:
 
 
 _LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)", "offload": "activation offload",
-           "tiled_mlp": "the tiled MLP", "reducer": "the reachability edges"}
+           "tiled_mlp": "the tiled MLP", "reducer": "the unused-parameter rescue"}
 
 
 # -- detection -------------------------------------------------------------------------------------------------
@@ -144,16 +147,38 @@ def acting_as(engine: str) -> Iterator[None]:
         _stand_in.pop()
 
 
+# NOTE [The engine is the module's owner's]
+# The engine a call acts for is the one that runs the module being called, not a process-wide switch: a DDP
+# student beside a ZeRO-3 teacher (an HfDeepSpeedConfig alive for the teacher) is still DDP's, and its reentrant
+# checkpoints still need the swap. So module-level evidence comes first (partitioned parameters: DeepSpeed; a
+# DDP forward running, or a module that a live DDP wraps: DDP; a sharding registration: FSDP), and the
+# process-wide ZeRO-3 switch decides only where the module says nothing (no module, or one outside any wrapper).
+_owned_by_ddp: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def own(ddp: nn.Module) -> None:
+    """Record the modules a DDP wraps (the reducer patch calls it at construction)."""
+    ref = weakref.ref(ddp)
+    for m in ddp.module.modules():
+        _owned_by_ddp[m] = ref
+
+
+def _wrapped_by_live_ddp(module: nn.Module) -> bool:
+    ref = _owned_by_ddp.get(module)
+    return ref is not None and ref() is not None
+
+
 def _detect(module: nn.Module | None) -> str:
     if _stand_in:
         return _stand_in[-1]
-    if deepspeed_zero3() or (module is not None and _has_partitioned_parameters(module)):
+    if module is not None and _has_partitioned_parameters(module):
         return DEEPSPEED
-    if ddp_forward_active():
+    if ddp_forward_active() or (module is not None and _wrapped_by_live_ddp(module)):
         return DDP
-    if module is not None:
-        return _sharded_engine(module) or NONE
-    return NONE
+    sharded = _sharded_engine(module) if module is not None else None
+    if sharded is not None:
+        return sharded
+    return DEEPSPEED if deepspeed_zero3() else NONE
 
 
 def of_function(function: Any) -> str:
@@ -298,7 +323,7 @@ class _CompileNotice:
             log_rank0_once("engine-compile", logging.WARNING,
                            "ddp_patches: torch.compile is compiling code of this process: inside compiled code the "
                            "checkpoint swap and activation offload are not reached (dynamo traces checkpoints as "
-                           "its own operator) and the tiled MLP and the reachability edges step aside; code "
+                           "its own operator) and the tiled MLP and the unused-parameter rescue step aside; code "
                            "outside compiled regions is patched as usual (NOTE [Engines] in ddp_patches/engines.py)")
 
     def remove(self) -> None:
@@ -306,9 +331,22 @@ class _CompileNotice:
             self._handler.remove_start_callback(self)
 
 
-def install_compile_notice() -> _CompileNotice | None:
-    """Register the notice where compile could meet a process group: a multi-process launch (WORLD_SIZE > 1),
-    or a process that has already imported dynamo. Elsewhere importing dynamo (about 1.5 s) buys nothing."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or "torch._dynamo" in sys.modules:
-        return _CompileNotice()
-    return None
+# NOTE [Compile notice armed lazily]
+# Registering the notice imports dynamo (about 1.5 s). Every process of a launch inherits WORLD_SIZE, DataLoader
+# workers included, and the runner applies in each: registering at apply() doubled their start-up. So the notice
+# is registered at apply() only where dynamo is already imported or a process group already exists; otherwise
+# the first patch that finds the process distributed registers it (distributed.on_first_distributed).
+def install_compile_notice() -> None:
+    """Register the compile notice now where it can matter, else when the process first turns out distributed."""
+    from . import distributed
+
+    if "torch._dynamo" in sys.modules or distributed.is_distributed():
+        _register_notice()
+    elif int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        distributed.on_first_distributed(_register_notice)
+
+
+def _register_notice() -> None:
+    from ._registry import REGISTRY
+
+    REGISTRY.add_handle(_CompileNotice())

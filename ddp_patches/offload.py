@@ -21,23 +21,36 @@
 # Moving a tensor frees device memory only if nothing else holds its storage. Parameters, views of parameters
 # (``F.linear`` saves ``weight.t()``, which an isinstance(Parameter) check misses) and other leaves that require
 # grad are held by the module or by autograd's AccumulateGrad node; an expanded tensor (a stride of 0) is a view
-# of something smaller; a tensor under ``min_bytes`` is not worth a copy. The last checkpoint input of a forward
-# is packed but left on the device: backward needs it first, so copying it out and back is pure cost. It is
-# recognised without knowing the model: each pack offloads the *previous* checkpoint input, and the input still
-# pending when the forward ends is the last one.
+# of something smaller; a tensor under ``min_bytes`` is not worth a copy (``offload_policy.keep_reason``, at
+# pack). Moving a tensor that something else still holds frees nothing: a view or ``detach()`` alias of live
+# memory, a list of hidden states kept for ``output_hidden_states``, another op that saved the same tensor. That
+# is judged when the device tensor would be dropped (``offload_policy.sole_owner``: Python, TensorImpl and storage
+# use counts); such a tensor stays on the device, its host copy is given back, and it is counted under
+# ``kept``, never as offloaded. The last checkpoint input of a forward is never dropped either: it is still in
+# the in-flight window (NOTE [Copies, streams and lifetimes]) when backward asks for it first, so it is served
+# from the device with no copy in.
 #
 # NOTE [Copies, streams and lifetimes]
-# Device-to-host copies go into pinned buffers (``pinned_pool``) on one side stream per device that first waits
-# for the compute stream, so the copy reads a finished tensor and overlaps the next layer's forward. The handle
-# drops its device tensor as soon as the copy is *issued*, after ``record_stream(side)``: the caching allocator
-# then keeps the block from reuse until the side stream has passed the copy, so the memory goes back on the
-# GPU's timeline however far the CPU runs ahead -- no ``Event.query()`` polling that a GPU-bound run would
-# never satisfy in time. In backward, unpacking layer k's input starts the host-to-device copy of the input
-# needed next (the previous offloaded one) on the side stream, so recomputation finds it on the device; the
-# compute stream waits on that copy's event before using it. A restored tensor is kept on its handle, so a
-# tensor shared by several checkpoints (a 4-D mask passed positionally, ``checkpoint(f, h, h)``) crosses the bus
-# at most once each way per step. Without CUDA (CPU tests) the same code runs with synchronous copies into
-# ordinary host memory (``_SyncCopier``); ``non_blocking`` is never used with pageable memory.
+# pack starts the device-to-host copy at once (``offload_copier``): into a pinned buffer (``pinned_pool``), on one
+# side stream per device that first waits for the compute stream, so the copy reads a finished tensor and
+# overlaps the next layer's forward. The device tensor is kept on its handle while the copy is in flight: the
+# inputs of the last ``max_in_flight`` checkpoint regions are (a window, as TransformerEngine bounds its offload).
+# When a new region begins, the inputs of the oldest one are released: the compute stream *waits on the GPU* for
+# their copies' events, then the handles drop their device tensors, so the caching allocator gives the blocks
+# straight back to the compute stream
+# and stream order makes the reuse safe. This replaced ``record_stream``, which holds a block until the *CPU*
+# observes the side stream's event: a GPU-bound run, whose CPU is far ahead, never observed it in time, and on an
+# H100 the active-memory peak did not drop at all (docs/gpu-runs/README.md). The wait also bounds the backlog: a
+# forward that outruns the bus stalls on the GPU rather than piling up device tensors "offloaded" but not freed.
+# With one layer's compute between a copy's start and its wait, the wait is normally already satisfied.
+# In backward, unpacking layer k's input starts the host-to-device copies of the ``prefetch_depth`` inputs needed
+# next, into tensors allocated on the compute stream (the copy first waits for the kernels enqueued so far, the
+# earliest point at which a reused block is free); the compute stream waits on that copy's event before using
+# it. A prefetched tensor dropped unused first makes the compute stream wait for its copy
+# (``offload_copier.PrefetchedInput``). A restored tensor is kept on its handle, so a tensor shared by several
+# checkpoints (a 4-D mask passed positionally, ``checkpoint(f, h, h)``) crosses the bus at most once each way per
+# step. Without CUDA (CPU tests) the same code runs with synchronous copies into ordinary host memory
+# (``offload_copier.SyncCopier``); ``non_blocking`` is never used with pageable memory.
 #
 # NOTE [In-place edits after pack]
 # autograd compares a saved tensor's version counter at unpack and raises "one of the variables needed for
@@ -52,7 +65,8 @@
 # Nothing marks "backward has begun" reliably: an unpack can happen inside a forward (``torch.autograd.grad`` for
 # a gradient penalty), two forwards can precede one backward, a backward can raise midway, a forward can be
 # thrown away. So there is no backward flag: a handle lives exactly as long as autograd keeps the saved input,
-# the pending (last) input is copied out by the next pack if it is still alive, and a new accounting window (one
+# an input still in the in-flight window is released by the next pack if it is still alive, and a new accounting
+# window (one
 # micro-step in ``stats``) starts at the first pack after a backward has reached the window's inputs and every
 # one of its handles has been freed (a checkpoint output dropped inside a forward frees handles too early to
 # mark a step).
@@ -68,102 +82,37 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
+import time
 import weakref
-from collections import Counter
 from typing import Callable, Iterator
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch import nn
 
 from . import engines as _engines
-from . import versions
+from . import offload_probes, probes, versions
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
+from .offload_copier import PrefetchedInput, StreamCopier, SyncCopier
+from .offload_policy import (  # noqa: F401  (re-exported: the reasons are part of the stats' vocabulary)
+    DEVICE, EXPANDED, GRAD_LEAF, NON_DENSE, NOT_PLAIN, PARAMETER, PARAMETER_VIEW, PINNED_FAILED, POOL_CAP, SHARED,
+    SMALL, check_version, keep_reason, sole_owner, version_witness)
+from .offload_window import OffloadStats, StepWindow
 from .pinned_pool import PinnedBufferPool, default_cap_bytes
 
 logger = logging.getLogger("ddp_patches")
 
-TARGET = "torch.utils.checkpoint._checkpoint_without_reentrant_generator"
+TARGET = "torch.utils.checkpoint._checkpoint_without_reentrant_generator"  # torch <= 2.13; target() is the probed one
 DEFAULT_MIN_BYTES = 1 << 20
-
-# Reasons a packed tensor stays where it is (keys of OffloadStats.kept).
-PARAMETER = "parameter"
-PARAMETER_VIEW = "view of a parameter"
-GRAD_LEAF = "leaf that requires grad"
-EXPANDED = "expanded (stride 0)"
-SMALL = "below min_bytes"
-DEVICE = "device not offloaded"
-POOL_CAP = "pinned pool cap"
-PINNED_FAILED = "pinned allocation failed"
+DEFAULT_MAX_IN_FLIGHT = 1
+DEFAULT_PREFETCH_DEPTH = 1
 NO_CUDA = "this host has no CUDA device (activations already live in host memory; nothing is pinned)"
+WHY_OPT_IN = ("offload is opt-in: its CUDA path has run on one H100 so far, not on the range of GPUs and drivers "
+              "users have (README, 'Offload')")
 
-
-@dataclasses.dataclass
-class OffloadStats:
-    """What one micro-step did (NOTE [Step windows]); ``peak_pinned_bytes`` is host memory in use at most."""
-
-    step: int = 0
-    offloaded_tensors: int = 0
-    offloaded_bytes: int = 0
-    deduplicated: int = 0
-    kept_last: int = 0
-    kept: dict = dataclasses.field(default_factory=Counter)
-    prefetched: int = 0
-    waited: int = 0  # unpacks that had to start their own host-to-device copy
-    restored_again: int = 0  # unpacks served by a tensor already brought back (shared inputs)
-    copies_in: int = 0  # host-to-device copies issued
-    peak_pinned_bytes: int = 0
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["kept"] = dict(self.kept)
-        return d
-
-
-def keep_reason(t: torch.Tensor, min_bytes: int) -> str | None:
-    """Why ``t`` must stay where it is (see NOTE [What is never offloaded]), or None if it may move."""
-    if isinstance(t, nn.Parameter):
-        return PARAMETER
-    base = t._base
-    if base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
-        return PARAMETER_VIEW
-    if t.is_leaf and t.requires_grad:
-        return GRAD_LEAF
-    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
-        return EXPANDED
-    if t.numel() * t.element_size() < max(min_bytes, 1):
-        return SMALL
-    return None
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """True when ``t`` covers exactly numel elements of its storage (any dim order): its strides can be kept."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def version_witness(t: torch.Tensor) -> torch.Tensor:
-    """A tensor that shares ``t``'s version counter and none of its memory (NOTE [In-place edits after pack])."""
-    witness = t.detach()
-    witness.data = torch.empty(0, dtype=t.dtype, device=t.device)
-    return witness
-
-
-def check_version(witness: torch.Tensor, saved: int, shape, dtype) -> None:
-    if witness._version != saved:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{dtype} {list(shape)}], a checkpoint input, is at version {witness._version}; expected version "
-            f"{saved} instead. (Raised by ddp_patches offload: NOTE [In-place edits after pack] in "
-            "ddp_patches/offload.py.) Hint: avoid modifying a checkpoint's input in place after the checkpoint ran."
-        )
+# Old private names, kept for code that subclassed them.
+_SyncCopier, _StreamCopier = SyncCopier, StreamCopier
 
 
 class _Kept:
@@ -180,86 +129,48 @@ class _Kept:
 
 
 class _Offloaded:
-    """One packed checkpoint input: on the device (``source``) until its copy out is issued, then on the host."""
+    """One packed checkpoint input: its copy to ``host`` started at pack; ``source`` (the device tensor) is held
+    while that copy may be in flight and dropped once released."""
 
     __slots__ = ("index", "origin", "witness", "version", "device", "dtype", "shape", "stride", "nbytes", "source",
-                 "host", "restored", "prefetched", "counted_kept", "__weakref__")
+                 "event", "host", "free_host", "restored", "prefetched", "counted_kept", "__weakref__")
 
-    def __init__(self, t: torch.Tensor, index: int) -> None:
-        self.index = index
+    def __init__(self, t: torch.Tensor) -> None:
+        self.index = 0
         self.origin = weakref.ref(t)  # identity check for deduplication, without keeping ``t`` alive
         self.witness = version_witness(t)
         self.version = t._version
         self.device = t.device
         self.dtype = t.dtype
         self.shape = t.shape
-        self.stride = t.stride() if _dense(t) else None  # None: restored contiguous
+        self.stride = t.stride()  # dense (keep_reason): restored with the same strides
         self.nbytes = t.numel() * t.element_size()
         self.source: torch.Tensor | None = t
+        self.event = None  # the copy out's completion (None: synchronous)
         self.host: torch.Tensor | None = None
+        self.free_host = None  # gives the host buffer back to the pool (also run when the handle dies)
         self.restored: torch.Tensor | None = None  # brought back once; served again to later unpacks
-        self.prefetched: tuple | None = None  # (device tensor, event) started ahead of its unpack
+        self.prefetched: PrefetchedInput | None = None  # a copy in started ahead of its unpack
         self.counted_kept = False  # unpacked while still on the device (counted in stats.kept_last)
 
-
-class _SyncCopier:
-    """Copies in program order on the current stream (CPU tensors, CPU tests)."""
-
-    def to_host(self, h: _Offloaded) -> None:
-        h.host.copy_(h.source)
-
-    def to_device(self, h: _Offloaded, out: torch.Tensor):
-        out.copy_(h.host)
-        return None  # no event: the data is there
-
-    def wait(self, tensor: torch.Tensor, event) -> None:
-        pass
-
-
-class _StreamCopier(_SyncCopier):
-    """Asynchronous copies on one side stream per CUDA device (NOTE [Copies, streams and lifetimes]); tensors on
-    other devices (the CPU tests, run on a GPU host) are copied in order, as by ``_SyncCopier``."""
-
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
-
-    def to_host(self, h: _Offloaded) -> None:
-        if h.device.type != "cuda":
-            return super().to_host(h)
-        stream = self.stream(h.device)
-        stream.wait_stream(torch.cuda.current_stream(h.device))
-        with torch.cuda.stream(stream):
-            h.host.copy_(h.source, non_blocking=True)
-        h.source.record_stream(stream)  # the block is not reused before the side stream passes the copy
-
-    def to_device(self, h: _Offloaded, out: torch.Tensor):
-        if h.device.type != "cuda":
-            return super().to_device(h, out)
-        stream = self.stream(h.device)
-        stream.wait_stream(torch.cuda.current_stream(h.device))  # ``out`` may reuse memory still being read
-        with torch.cuda.stream(stream):
-            out.copy_(h.host, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        out.record_stream(stream)  # a prefetch never consumed must not free memory the copy still writes
-        return event
-
-    def wait(self, tensor: torch.Tensor, event) -> None:
-        if event is not None:
-            torch.cuda.current_stream(tensor.device).wait_event(event)
+    @property
+    def offloaded(self) -> bool:
+        """Only on the host now: a copy in is needed before backward can use it."""
+        return self.source is None and self.host is not None and self.origin() is None
 
 
 class CheckpointInputOffloader:
     """pack/unpack for the checkpoint inputs, with per-step accounting. One per process.
 
+    Policy (what may move) lives in ``offload_policy``, the copies in ``offload_copier``, the step windows in
+    ``offload_window``; this class wires them to autograd's saved-tensor hooks.
+
     Args:
         min_bytes: tensors smaller than this stay on the device.
         max_pinned_bytes: per-rank cap of the host buffer pool (None: ``pinned_pool.default_cap_bytes()``).
+        max_in_flight: checkpoint regions whose inputs keep their device tensors while the copy out may still
+            run (NOTE [Copies, streams and lifetimes]); at least 1.
+        prefetch_depth: inputs whose copy in starts ahead of backward's need for them; at least 1.
         should_offload: which devices' tensors to move (default: CUDA tensors). CPU tests pass ``lambda t: True``
             to run the real code path, copying CPU tensors into separate host storage.
         gate: whether the hooks are pushed at all at a checkpoint call (default: ``is_distributed``).
@@ -267,8 +178,9 @@ class CheckpointInputOffloader:
             [Engines]); None: under any, which the single-process CPU test path uses.
         explicit: offload=True was asked for; reasons for being inert are then warnings, not debug lines.
         copier: how tensors cross between device and host (default: side streams on CUDA, in-order otherwise);
-            tests inject one that models a copy still in flight.
+            tests inject one that models a copy still in flight or a missing stream dependency.
         pool: the host buffer pool (default: pinned where CUDA exists, capped at ``max_pinned_bytes``).
+        measure_stalls: the default CUDA copier times GPU-side waits for copies in (``stats.stall_ms``).
     """
 
     def __init__(
@@ -276,14 +188,22 @@ class CheckpointInputOffloader:
         *,
         min_bytes: int = DEFAULT_MIN_BYTES,
         max_pinned_bytes: int | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
         should_offload: Callable[[torch.Tensor], bool] | None = None,
         gate: Callable[[], bool] | None = None,
         explicit: bool = False,
         copier=None,
         pool: PinnedBufferPool | None = None,
         engines: tuple[str, ...] | None = _engines.ACTS_UNDER["offload"],
+        measure_stalls: bool = False,
     ) -> None:
+        if max_in_flight < 1 or prefetch_depth < 1:
+            raise ValueError(f"CheckpointInputOffloader: max_in_flight and prefetch_depth must be >= 1, got "
+                             f"{max_in_flight} and {prefetch_depth}")
         self.min_bytes = min_bytes
+        self.max_in_flight = max_in_flight
+        self.prefetch_depth = prefetch_depth
         self._no_cuda = should_offload is None and not torch.cuda.is_available()  # the default needs CUDA
         self.should_offload = should_offload or (lambda t: t.device.type == "cuda")
         self.gate = gate or is_distributed
@@ -292,12 +212,15 @@ class CheckpointInputOffloader:
         cap = default_cap_bytes() if max_pinned_bytes is None else max_pinned_bytes
         self.pool = pool or PinnedBufferPool(cap, pin=torch.cuda.is_available())
         self._copier = copier
-        self.stats = OffloadStats(step=1)
+        self._measure_stalls = measure_stalls
+        self.window = StepWindow(step=1)
         self.last_step: OffloadStats | None = None
-        self._pending: weakref.ref | None = None  # last packed handle, still on the device
-        self._order: list[weakref.ref] = []  # this window's handles, in pack order (pruned of dead ones)
-        self._by_key: dict[tuple, weakref.ref] = {}
-        self._unpacked = False  # a backward reached this window's inputs (NOTE [Step windows])
+        self._window_start = (0, 0.0, 0.0)  # pool allocations, pool seconds, copier stall ms
+
+    @property
+    def stats(self) -> OffloadStats:
+        """The current micro-step's accounting (NOTE [Step windows])."""
+        return self.window.stats
 
     # -- when to push the hooks ------------------------------------------------------------------------------
     def wants_hooks(self, fn=None) -> bool:
@@ -319,81 +242,109 @@ class CheckpointInputOffloader:
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
+        self._enter_region()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield
 
+    def _enter_region(self) -> None:
+        """A new checkpoint region begins: the copies started by the regions ``max_in_flight`` back have had at
+        least that many layers of compute to finish; release them (NOTE [Copies, streams and lifetimes])."""
+        self._maybe_new_window()
+        in_flight = self.window.in_flight
+        in_flight.append([])
+        while len(in_flight) > self.max_in_flight:
+            for ref in in_flight.popleft():
+                self._release(ref())
+
     def live_handles(self) -> list[_Offloaded]:
         """This window's handles that autograd still holds, in pack order."""
-        return [h for h in (ref() for ref in self._order) if h is not None]
+        return self.window.live()
 
     # -- pack: forward ---------------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
         if _in_backward():
             return t  # a recomputed tensor: never re-packed
-        self._prune()
-        if not self.should_offload(t):
-            reason = DEVICE
-            self._inert("device-" + t.device.type, f"the checkpoint inputs are on {t.device.type}, not an accelerator")
-        else:
-            reason = keep_reason(t, self.min_bytes)
+        self._maybe_new_window()
+        reason = self._keep_reason(t)
         if reason is not None:
             self.stats.kept[reason] += 1
             return _Kept(t)
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        seen = self._by_key.get(key)
-        handle = seen() if seen is not None else None
-        if handle is not None and handle.origin() is t:  # the same tensor again; a transpose has another key
+        # The storage's start from data_ptr, not t.untyped_storage(): a Python storage object, once made, stays
+        # attached to the storage and counts as one more user of it (offload_policy.sole_owner reads that count).
+        base = t.data_ptr() - t.storage_offset() * t.element_size()
+        key = (base, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        seen = self.window.find(key)
+        if seen is not None and seen.origin() is t:  # the same tensor again; a transpose has another key
             self.stats.deduplicated += 1
-            return handle
-        handle = _Offloaded(t, len(self._order))
-        self._by_key[key] = weakref.ref(handle)
-        self._order.append(weakref.ref(handle))
-        previous = self._pending() if self._pending is not None else None
-        self._pending = weakref.ref(handle)
-        if previous is not None and previous.source is not None and previous.host is None:
-            self._copy_out(previous)
+            return seen
+        nbytes = t.numel() * t.element_size()
+        buf = self.pool.acquire(nbytes, t.device)
+        if buf is None:
+            self.stats.kept[self._refused()] += 1
+            return _Kept(t)
+        handle = _Offloaded(t)
+        self.window.add(handle, key)
+        handle.free_host = weakref.finalize(handle, self.pool.release, buf, t.device)
+        handle.host = _typed_view(buf, handle)
+        handle.event = self.copier.to_host(t, handle.host)
+        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self.pool.in_use_bytes)
+        if not self.window.in_flight:  # pack called outside ``hooks()`` (tests): one region of its own
+            self.window.in_flight.append([])
+        self.window.in_flight[-1].append(weakref.ref(handle))
         return handle
 
-    def _copy_out(self, h: _Offloaded) -> None:
-        if h.counted_kept:  # unpacked inside the forward (a gradient penalty), now offloaded after all
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        if not self.should_offload(t):
+            self._inert("device-" + t.device.type, f"the checkpoint inputs are on {t.device.type}, not an accelerator")
+            return DEVICE
+        return keep_reason(t, self.min_bytes)
+
+    def _release(self, h: _Offloaded | None) -> None:
+        """The copy out of ``h`` is old enough: the compute stream waits for it and the handle drops its device
+        tensor. If something else still holds that memory, dropping it freed nothing: counted under ``kept``,
+        and unpack serves the still-live tensor (``origin``) instead of copying the host copy back."""
+        if h is None or h.source is None or h.host is None:
+            return
+        freed = sole_owner(h, "source")
+        self.copier.release(h.source, h.event)
+        h.source = h.event = None
+        if h.counted_kept:  # unpacked inside the forward (a gradient penalty), offloaded after all
             h.counted_kept = False
             self.stats.kept_last -= 1
-        buf = self.pool.acquire(h.nbytes, h.device)
-        if buf is None:
-            self._refused()
+        if not freed:
+            self.stats.kept[SHARED] += 1
             return
-        weakref.finalize(h, self.pool.release, buf, h.device)  # back to the pool when autograd drops the input
-        h.host = _typed_view(buf, h)
-        self.copier.to_host(h)
-        h.source = None  # NOTE [Copies, streams and lifetimes]: released on the GPU's timeline, not polled
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += h.nbytes
-        self.stats.peak_pinned_bytes = max(self.stats.peak_pinned_bytes, self.pool.in_use_bytes)
 
-    def _refused(self) -> None:
+    def _refused(self) -> str:
         if self.pool.last_error is not None and self.pool.failed:
-            self.stats.kept[PINNED_FAILED] += 1
             log_rank0_once("offload-alloc-failed", logging.WARNING,
                            "ddp_patches: a pinned host allocation failed (%s); those checkpoint inputs stay on "
                            "the device (lower apply(offload_max_pinned_bytes=...) to stay below what the host "
                            "can pin)", self.pool.last_error)
             self.pool.last_error = None
-            return
-        self.stats.kept[POOL_CAP] += 1
+            return PINNED_FAILED
         log_rank0_once("offload-cap", logging.WARNING,
                        "ddp_patches: offload pinned pool reached its cap of %d MiB; further checkpoint "
                        "inputs stay on the device (raise apply(offload_max_pinned_bytes=...))",
                        self.pool.cap_bytes >> 20)
+        return POOL_CAP
 
     # -- unpack: backward ------------------------------------------------------------------------------------
     def unpack(self, packed):
-        self._unpacked = True
+        self.window.unpacked = True
         if isinstance(packed, _Kept):
             return packed.unpack()
         if not isinstance(packed, _Offloaded):
             return packed  # a tensor returned untouched by pack (during backward)
         check_version(packed.witness, packed.version, packed.shape, packed.dtype)
-        if packed.source is not None:  # not copied out (yet): the last input of its forward
+        if packed.source is None and packed.restored is None:
+            alive = packed.origin()
+            if alive is not None:  # released, but something else kept it on the device: no copy needed
+                self._prefetch_before(packed.index)
+                return alive
+        if packed.source is not None:  # still on the device: in the in-flight window
             if not packed.counted_kept:
                 packed.counted_kept = True
                 self.stats.kept_last += 1
@@ -403,69 +354,50 @@ class CheckpointInputOffloader:
             self.stats.restored_again += 1
             return packed.restored
         if packed.prefetched is not None:
-            tensor, event = packed.prefetched
-            packed.prefetched = None
+            pending, packed.prefetched = packed.prefetched, None
             self.stats.prefetched += 1
         else:
-            tensor, event = self._copy_in(packed)
+            pending = self._copy_in(packed)
             self.stats.waited += 1
-        self.copier.wait(tensor, event)
-        packed.restored = tensor
+        packed.restored = pending.take()
         self._prefetch_before(packed.index)  # queued behind this layer's recompute and backward
-        return tensor
+        return packed.restored
 
-    def _copy_in(self, h: _Offloaded) -> tuple:
-        if h.stride is not None:
-            out = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=h.device)
-        else:
-            out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    def _copy_in(self, h: _Offloaded) -> PrefetchedInput:
+        out = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=h.device)
         self.stats.copies_in += 1
-        return out, self.copier.to_device(h, out)
+        return PrefetchedInput(out, self.copier.to_device(h.host, out), self.copier)
 
     def _prefetch_before(self, index: int) -> None:
-        """Start bringing back the input that backward will ask for next: the closest earlier offloaded one."""
-        for ref in reversed(self._order[:index]):
-            h = ref()
-            if h is None or h.source is not None or h.host is None:
-                continue
+        """Start bringing back the ``prefetch_depth`` offloaded inputs that backward will ask for next."""
+        ahead = [h for h in self.window.earlier(index) if h.offloaded][:self.prefetch_depth]
+        for h in ahead:
             if h.prefetched is None and h.restored is None:
                 h.prefetched = self._copy_in(h)
-            return
 
     # -- step windows (NOTE [Step windows]) --------------------------------------------------------------------
-    def _prune(self) -> None:
-        """Drop dead handles; once a backward has run and none of this window's handles is alive, the next pack
-        starts a new window."""
-        if not self._order:
-            return
-        live = [ref for ref in self._order if ref() is not None]
-        if not live and self._unpacked:
+    def _maybe_new_window(self) -> None:
+        if self.window.finished():
             self._end_window()
-        elif len(live) < len(self._order) // 2:  # keep the list short without renumbering on every pack
-            self._renumber(live)
-
-    def _renumber(self, live: list[weakref.ref]) -> None:
-        self._order = live
-        for i, ref in enumerate(live):
-            h = ref()
-            if h is not None:
-                h.index = i
-        self._by_key = {k: r for k, r in self._by_key.items() if r() is not None}
+        else:
+            self.window.compact()
 
     def _end_window(self) -> None:
-        self.last_step = self.stats
-        if self.stats.step == 1 and self.stats.offloaded_tensors:
+        stats = self.window.stats
+        allocations, seconds, stalled = self._window_start
+        stats.pinned_allocations = self.pool.allocations - allocations
+        stats.pin_ms = (self.pool.allocate_seconds - seconds) * 1e3
+        stats.stall_ms = self.copier.stall_ms() - stalled
+        self._window_start = (self.pool.allocations, self.pool.allocate_seconds, stalled + stats.stall_ms)
+        self.last_step = stats
+        if stats.step == 1 and stats.offloaded_tensors:
             log_rank0_once("offload-first-step", logging.INFO,
                            "ddp_patches: offload moved %d checkpoint inputs (%.1f MiB) to host memory in the "
-                           "first step; kept on the device: last layer %d, other %s",
-                           self.stats.offloaded_tensors, self.stats.offloaded_bytes / 2**20,
-                           self.stats.kept_last, dict(self.stats.kept))
-        logger.debug("ddp_patches offload step: %s", self.stats.as_dict())
-        self.stats = OffloadStats(step=self.stats.step + 1)
-        self._order.clear()
-        self._by_key.clear()
-        self._pending = None
-        self._unpacked = False
+                           "first step; kept on the device: last layer %d, other %s; %d pinned buffers took "
+                           "%.1f ms", stats.offloaded_tensors, stats.offloaded_bytes / 2**20, stats.kept_last,
+                           dict(stats.kept), stats.pinned_allocations, stats.pin_ms)
+        logger.debug("ddp_patches offload step: %s", stats.as_dict())
+        self.window = StepWindow(step=stats.step + 1)
 
     def _inert(self, key: str, why: str) -> None:
         log_rank0_once("offload-inert-" + key, logging.WARNING if self.explicit else logging.DEBUG,
@@ -474,15 +406,13 @@ class CheckpointInputOffloader:
     @property
     def copier(self):
         if self._copier is None:
-            self._copier = _StreamCopier() if (torch.cuda.is_available() and self.pool.pin) else _SyncCopier()
+            use_streams = torch.cuda.is_available() and self.pool.pin
+            self._copier = StreamCopier(self._measure_stalls) if use_streams else SyncCopier()
         return self._copier
 
 
 def _typed_view(buf: torch.Tensor, h: _Offloaded) -> torch.Tensor:
-    typed = buf[:h.nbytes].view(h.dtype)
-    if h.stride is None:
-        return typed.view(h.shape)
-    return typed.as_strided(h.shape, h.stride)
+    return buf[:h.nbytes].view(h.dtype).as_strided(h.shape, h.stride)
 
 
 def _hook_stack_free() -> bool:
@@ -540,14 +470,23 @@ class _Uninstall:
         _active["offloader"] = None
 
 
+def target() -> str:
+    """The name install() patches: the generator checkpoint() is seen to call (NOTE [Which generator ...])."""
+    return f"torch.utils.checkpoint.{offload_probes.generator_name()}"
+
+
 def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None) -> list[str]:
+    if versions.offload_unsupported_reason() is None and not probes.verify(
+            "offload", offload_probes.ASSUMPTIONS, "Checkpoint inputs stay on the device (no offload)"):
+        return []  # NOTE [Probed assumptions]
     offloader = CheckpointInputOffloader(min_bytes=min_bytes, max_pinned_bytes=max_pinned_bytes, explicit=explicit)
     if explicit and offloader._no_cuda:
         offloader._inert("no-cuda", NO_CUDA)  # say it at apply(), not only at the first checkpoint
-    REGISTRY.install(torch_checkpoint, "_checkpoint_without_reentrant_generator", _make_offloading_generator)
+    name = offload_probes.generator_name() if versions.offload_unsupported_reason() is None else TARGET.rsplit(".")[-1]
+    REGISTRY.install(torch_checkpoint, name, _make_offloading_generator)
     _active["offloader"] = offloader
     REGISTRY.add_handle(_Uninstall())
-    return [TARGET]
+    return [f"torch.utils.checkpoint.{name}"]
 
 
 def stats() -> OffloadStats | None:

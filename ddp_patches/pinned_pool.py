@@ -26,6 +26,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -89,13 +91,20 @@ class PinnedBufferPool:
         self.peak_owned_bytes = 0
         self.peak_in_use_bytes = 0
         self.allocations = 0
+        self.allocate_seconds = 0.0  # spent pinning new buffers (inside a forward: reported per step)
         self.reused = 0
         self.refused = 0
         self.failed = 0
         self.last_error: str | None = None
+        # release() also runs from autograd's device threads (a handle freed in backward), one per GPU
+        self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, device: object = None) -> torch.Tensor | None:
         """A buffer of at least ``nbytes`` for ``device``'s copy stream, or None (cap reached, allocation failed)."""
+        with self._lock:
+            return self._acquire(nbytes, device)
+
+    def _acquire(self, nbytes: int, device: object) -> torch.Tensor | None:
         wanted = size_class(nbytes)
         buf = self._take_free(self._free[_key(device)], wanted)
         if buf is not None:
@@ -104,12 +113,15 @@ class PinnedBufferPool:
             if self.owned_bytes + wanted > self.cap_bytes:
                 self.refused += 1
                 return None
+            start = time.perf_counter()
             try:
                 buf = self._allocate(wanted)
             except RuntimeError as e:  # cudaHostAlloc refused: keep the tensor on the device instead
                 self.failed += 1
                 self.last_error = str(e).splitlines()[0] if str(e) else type(e).__name__
                 return None
+            finally:
+                self.allocate_seconds += time.perf_counter() - start
             self.allocations += 1
             self.owned_bytes += wanted
             self.peak_owned_bytes = max(self.peak_owned_bytes, self.owned_bytes)
@@ -118,8 +130,9 @@ class PinnedBufferPool:
         return buf
 
     def release(self, buf: torch.Tensor, device: object = None) -> None:
-        self.in_use_bytes -= buf.numel()
-        self._free[_key(device)][buf.numel()].append(buf)
+        with self._lock:
+            self.in_use_bytes -= buf.numel()
+            self._free[_key(device)][buf.numel()].append(buf)
 
     def free_bytes(self) -> int:
         return self.owned_bytes - self.in_use_bytes

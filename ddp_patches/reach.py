@@ -1,74 +1,91 @@
-"""Mechanism 2b: a trainable parameter that no module used in a forward still gets its DDP hook, once.
+"""Mechanism 2b: every trainable parameter's DDP hook fires exactly once per synced backward.
 
 # NOTE [Unused parameters without find_unused_parameters]
 # DDP's reducer expects one AccumulateGrad hook per trainable parameter per synced backward. A parameter that
-# the forward never touched (LoRA on a vision tower and a text-only batch, an idle expert, a branch not taken)
-# gets none: with find_unused_parameters=False the reducer raises "Expected to have finished reduction in the
-# prior iteration" (gloo) or hangs (NCCL), and static_graph=True rejects a graph that changes. The usual cure,
-# find_unused_parameters=True, costs on every step (a graph search, an all-reduce of the used-parameter map,
-# no bucket rebuild, a clone of every output) and breaks patterns that work without it: accelerate's
-# ``trigger_sync_in_backward`` calls ``prepare_for_backward([])``, which then marks every parameter unused
-# before its real hook marks it again ("marked as ready twice"), and PowerSGD's hook falls out of step.
+# gets no gradient (LoRA on a vision tower and a text-only batch, an idle expert, a branch not taken, a tower run
+# under no_grad, the last CLIP layer of Llava that feeds nothing) fires none: with find_unused_parameters=False the
+# reducer raises "Expected to have finished reduction in the prior iteration" (gloo) or hangs (NCCL), and
+# static_graph=True rejects a graph that changes. The usual cure, find_unused_parameters=True, costs on every step
+# (a graph search, an all-reduce of the used-parameter map, no bucket rebuild, a clone of every output) and breaks
+# patterns that work without it: accelerate's ``trigger_sync_in_backward`` calls ``prepare_for_backward([])``,
+# which then marks every parameter unused before its real hook marks it again ("marked as ready twice"), and
+# PowerSGD's hook falls out of step.
 #
-# So the DDP setting is left as the user (or the Trainer) chose it, and the forward is made to satisfy it:
-# after the wrapped module's forward, every trainable parameter that the outputs cannot reach through the autograd
-# graph -- its module did not run (a vision tower on a text-only rank, an idle expert), or ran and fed nothing
-# (the last CLIP layer of Llava, which takes its image features from layer -2) -- gets one edge from the outputs
-# into its AccumulateGrad node, through ``_ZeroGradEdges``, whose backward returns None for it. Autograd still
-# runs that AccumulateGrad node (with an undefined gradient it leaves ``.grad`` alone) and then its post-hooks,
-# where DDP's reducer marks the parameter ready with a zero bucket slot -- the case reducer.cpp documents as
-# "hooks can be fired with undefined grads". The average over ranks is then exactly what
-# find_unused_parameters=True gives; nothing is allocated; the outputs are aliases (``detach()``), not copies,
-# so in-place edits of them (``logits.div_(temperature)``) keep working. The walk over the graph is in Python:
-# about 3 ms per forward for a 32-layer LoRA model (4,654 nodes), against DDP's own search in C++ plus an
-# all-reduce.
+# So the DDP setting is left as the user (or the Trainer) chose it, and the backward is made to satisfy it. The
+# decision "which parameters got no gradient" is taken where it can be known, at the END of the backward, not when
+# the forward ends: a forward cannot see a reentrant checkpoint that the loss applies outside it (the chunked-loss
+# pattern), nor a reentrant Function that uses ``self.head.weight`` directly, yet both fire their hooks later, in
+# a nested graph task, and a parameter decided "unused" at forward end then got its hook twice.
+#   * A Python post-hook on each trainable parameter's AccumulateGrad node records that it ran, in whatever graph
+#     task (nested ones included). One Python call per parameter per backward: cheaper than walking the graph.
+#   * The DDP's outputs pass through ``_BackwardStart`` (an identity; the outputs are aliases, ``detach()``, not
+#     copies, so in-place edits such as ``logits.div_(temperature)`` keep working). It sits above DDP's own
+#     ``_DDPSink``, so its backward runs first and queues ``_settle`` as the graph task's first final callback:
+#     before static_graph's delayed all-reduce, and after every nested (reentrant) backward has finished.
+#   * ``_settle`` runs AccumulateGrad once, in one small nested backward, for each parameter whose node did not
+#     run: with an undefined gradient (it leaves ``.grad`` alone; DDP's hook marks the parameter ready with a zero
+#     bucket slot, the case reducer.cpp documents as "hooks can be fired with undefined grads"), or under
+#     static_graph with a defined zero (NOTE [Static graph needs a defined zero]). The average over ranks is
+#     exactly what find_unused_parameters=True gives.
+# The rule is the same on every rank and every iteration (every parameter fires once), which is what static_graph
+# asks for: a tower run under no_grad on some steps or ranks is never a graph change.
 #
-# One exception, on purpose: a parameter whose module ran under no_grad in this forward gets no edge. That is
-# how a reentrant region looks from outside (a custom autograd.Function that recomputes under no_grad and calls
-# backward in its own backward): its parameters are unreachable from the outputs yet fire their hooks later, in
-# a nested graph task, and an extra edge would make that a second mark. Such code keeps working as it does
-# without the library; the price is that a parameter used only under no_grad is not rescued.
-#
-# The difference from find_unused_parameters=True, stated in DDP_GRADIENT_CHECKPOINTING_FIX.md: a parameter that
-# no rank used in a step gets a zero ``.grad`` instead of None (an optimizer with weight decay or momentum then
-# still moves it); pass find_unused_parameters=True explicitly where that matters, and DDP's own search is used,
-# untouched.
+# NOTE [Unused everywhere ends with grad None]
+# After the reducer has written its averages (a second callback, queued behind DDP's own finalize), one small
+# all-reduce over the DDP's process group counts, per parameter, the ranks on which it had no gradient before
+# ``_settle`` fired it. A parameter that no rank used gets ``.grad = None``, as with find_unused_parameters=True
+# and as in a single process, so AdamW's weight decay and momentum leave it alone. One all-reduce of one float per
+# trainable parameter per synced step (benchmarks/ddp_overhead.py measures it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
-from . import engines
+from . import engines, probes
 from ._registry import REGISTRY
 from .distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 
 
-class _ZeroGradEdges(torch.autograd.Function):
-    """Identity on the first ``n_outputs`` tensors; one gradient edge into each parameter after them.
-
-    The edge carries nothing (None) unless ``defined_zeros``: then a zero tensor (NOTE [Static graph needs a
-    defined zero]).
-    """
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the outputs; its backward (the first node of any backward through them) queues ``_settle``."""
 
     @staticmethod
-    def forward(ctx, n_outputs: int, defined_zeros: bool, *tensors: torch.Tensor):
+    def forward(ctx, edges: "UnusedParameterEdges", ddp: nn.Module, *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)  # an output nobody backpropagates through must not become zeros
-        ctx.params = tensors[n_outputs:] if defined_zeros else None
-        ctx.n_params = len(tensors) - n_outputs
-        return tuple(t.detach() for t in tensors[:n_outputs])
+        ctx.edges, ctx.ddp = edges, ddp  # held by this graph only, until its backward
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
+        ctx.edges.backward_started(ctx.ddp)
+        return (None, None, *grads)
+
+
+class _FireHooks(torch.autograd.Function):
+    """One edge into each parameter's AccumulateGrad node, carrying None, or a zero when ``defined_zeros``."""
+
+    @staticmethod
+    def forward(ctx, defined_zeros: bool, *params: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.params = params if defined_zeros else None
+        ctx.n_params = len(params)
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
         zeros = [torch.zeros_like(p) for p in ctx.params] if ctx.params is not None else [None] * ctx.n_params
-        return (None, None, *grads, *zeros)
+        return (None, *zeros)
 
 
 # NOTE [Static graph needs a defined zero]
@@ -76,118 +93,268 @@ class _ZeroGradEdges(torch.autograd.Function):
 # gradients that are *defined* when their hooks fire, and never again: a parameter first seen with an undefined
 # gradient is treated as unused in every later step, its averaged gradient is never written back, and the ranks
 # drift apart without an error (measured: 0.82 relative gradient error for a parameter used every other step).
-# So under static_graph the edge carries a real zero, the parameter counts as used in every iteration, and the
-# averaged gradient is written every step. Without static_graph an undefined gradient is enough and costs nothing.
+# So under static_graph the fired hook carries a real zero, the parameter counts as used in every iteration, and
+# the averaged gradient is written every step. ``static_graph`` is read when the backward ends, not when the DDP
+# was built: ``ddp._set_static_graph()`` after construction is common ("to allow checkpointing").
 
 
 def needed(ddp: nn.Module) -> bool:
-    """Only a reducer that does not search for unused parameters itself needs the edges."""
+    """Only a reducer that does not search for unused parameters itself needs the rescue. Read per forward."""
     return not ddp.find_unused_parameters or bool(getattr(ddp, "static_graph", False))
 
 
-def reachable_parameters(roots: list[torch.Tensor]) -> set[int]:
-    """ids of the leaf tensors (AccumulateGrad variables) that a backward from ``roots`` would reach."""
-    found: set[int] = set()
-    seen: set = set()
-    stack = []
-    for t in roots:
-        if t.grad_fn is None:
-            found.add(id(t))  # a leaf returned as an output
-        else:
-            stack.append(t.grad_fn)
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)  # AccumulateGrad
-        if variable is not None:
-            found.add(id(variable))
-        stack.extend(next_fn for next_fn, _ in fn.next_functions if next_fn is not None and next_fn not in seen)
-    return found
-
-
 class UnusedParameterEdges:
-    """Per DDP instance: edges for the trainable parameters a forward's outputs cannot reach."""
+    """Per DDP instance: make each trainable parameter's hook fire once per synced backward."""
 
     def __init__(self, ddp: nn.Module) -> None:
         ignored = getattr(ddp, "parameters_to_ignore", set())
-        owners: dict[int, list[int]] = {}  # id(parameter) -> ids of the modules that hold it directly
-        self._params: dict[int, tuple[str, nn.Parameter]] = {}
-        self._owner_modules: dict[int, nn.Module] = {}
-        for mod_name, module in ddp.module.named_modules(remove_duplicate=False):
-            direct = [(n, p) for n, p in module._parameters.items() if p is not None and p.requires_grad]
-            direct = [(n, p) for n, p in direct if f"{mod_name}.{n}".lstrip(".") not in ignored]
-            if not direct:
-                continue
-            self._owner_modules[id(module)] = module
-            for n, p in direct:
-                owners.setdefault(id(p), []).append(id(module))
-                self._params.setdefault(id(p), (f"{mod_name}.{n}".lstrip("."), p))
-        self._owners = [(pid, frozenset(mods)) for pid, mods in owners.items()]
-        self._defined_zeros = bool(getattr(ddp, "static_graph", False))
-        self._ran_no_grad: set[int] = set()  # owner modules that ran under no_grad in this forward
+        seen: set[int] = set()
+        self._names: list[str] = []
+        self._params: list[nn.Parameter] = []
+        for name, p in ddp.module.named_parameters():  # deduplicated, as DDP's own list
+            if p.requires_grad and name not in ignored and id(p) not in seen:
+                seen.add(id(p))
+                self._names.append(name)
+                self._params.append(p)
+        self._fired: set[int] = set()  # indices of parameters whose AccumulateGrad ran since the last settle
+        self._node_hooks: list[Any] = []
+        self._nodes: list[Any] = []  # the parameters' AccumulateGrad nodes
         self._active = False
-        self.attached_last = 0
+        self._retired = False
+        self.attached_last = 0  # parameters fired by the last settle (tests, the doctor)
+        self._settling_task = -1  # the graph task whose end settles (one settle per backward)
+
+    def __getstate__(self) -> dict:
+        # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
+        # the parameter list and watches its own nodes again at its first forward.
+        state = dict(self.__dict__)
+        state.update(_fired=set(), _node_hooks=[], _nodes=[], _active=False, _settling_task=-1)
+        return state
 
     def install(self, ddp: nn.Module) -> None:
-        for module in self._owner_modules.values():
-            REGISTRY.add_handle(module.register_forward_pre_hook(self._ran_hook))
-        REGISTRY.add_handle(ddp.register_forward_pre_hook(self._begin))
-        REGISTRY.add_handle(ddp.module.register_forward_hook(self._attach))
-        REGISTRY.add_handle(ddp.register_forward_hook(self._end))
+        REGISTRY.add_instance_handle(ddp.register_forward_pre_hook(self._begin))
+        REGISTRY.add_instance_handle(ddp.register_forward_hook(self._attach))
 
-    def _ran_hook(self, module, args) -> None:
-        if self._active and not torch.is_grad_enabled():
-            self._ran_no_grad.add(id(module))
+    def remove(self) -> None:
+        """Retire: no more node hooks, and no more acting (a newer DDP wraps the same module)."""
+        for handle in self._node_hooks:
+            handle.remove()
+        self._node_hooks.clear()
+        self._nodes.clear()
+        self._retired = True
+
+    def _watch_nodes(self) -> None:
+        """Post-hooks on the AccumulateGrad nodes, once, at the first forward that needs them."""
+        for i, p in enumerate(self._params):
+            node = get_gradient_edge(p).node  # the node DDP's reducer holds and hooks
+            self._nodes.append(node)
+            handle = node.register_hook(_Recorder(self._fired, i))
+            self._node_hooks.append(handle)
+            REGISTRY.add_instance_handle(handle)
 
     def _begin(self, ddp, args) -> None:
-        self._ran_no_grad.clear()
-        # Under dynamo the walk cannot run (no autograd graph while tracing): step aside (NOTE [Engines]).
-        self._active = torch.is_grad_enabled() and not engines.compiling()
+        if self._retired:
+            log_rank0_once("retired-edges", logging.WARNING,
+                           "ddp_patches: a DistributedDataParallel runs whose module a newer one wraps; only the newest "
+                           "is protected against parameters without a gradient (ddp_patches.reach.install)")
+        # Under dynamo the outputs cannot be wrapped (no autograd graph while tracing): step aside (NOTE [Engines]).
+        self._active = (not self._retired and torch.is_grad_enabled() and needed(ddp)
+                        and not engines.compiling())
+        if self._active:
+            if not self._node_hooks:
+                self._watch_nodes()
+            self._fired.clear()
 
-    def _end(self, ddp, args, output) -> None:
-        self._active = False
-
-    def unused(self, roots: list[torch.Tensor]) -> list[tuple[str, nn.Parameter]]:
-        """Trainable parameters ``roots`` cannot reach, except those whose module ran under no_grad."""
-        reached, no_grad = reachable_parameters(roots), self._ran_no_grad
-        return [self._params[pid] for pid, mods in self._owners if pid not in reached and no_grad.isdisjoint(mods)]
-
-    def _attach(self, module, args, output):
+    def _attach(self, ddp, args, output):
         if not self._active:
             return None
-        self._active = False  # one attachment per DDP forward, also if the inner module is called again
-        leaves, spec = pytree.tree_flatten(output)
-        slots = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        unused = self.unused([leaves[i] for i in slots]) if slots else []
-        self.attached_last = len(unused)
-        if not unused:
-            return None
-        log_rank0_once("unused-edges", logging.INFO,
-                       "ddp_patches: %d trainable parameter(s) cannot get a gradient from this forward (e.g. %s); "
-                       "each gets one zero-gradient edge so DDP's reducer sees its hook once (NOTE [Unused "
-                       "parameters without find_unused_parameters] in ddp_patches/reach.py)", len(unused), unused[0][0])
-        aliased = _ZeroGradEdges.apply(len(slots), self._defined_zeros, *(leaves[i] for i in slots),
-                                       *(p for _, p in unused))
-        for i, t in zip(slots, aliased):
-            leaves[i] = t
-        return pytree.tree_unflatten(leaves, spec)
+        self._active = False
+        return map_tensors(output, _is_graph_output, lambda ts: _BackwardStart.apply(self, ddp, *ts))
+
+    def backward_started(self, ddp: nn.Module) -> None:
+        # Two forwards of one DDP feeding one loss (a GAN's discriminator on real and fake data, a multi-task loss)
+        # start this twice in one graph task: settle once, or the second settle sees an empty record and fires
+        # every hook again ("marked as ready twice").
+        task = torch._C._current_graph_task_id()
+        if task == self._settling_task:
+            return
+        if not _accumulates_into(self._nodes):
+            return  # NOTE [Only a backward that accumulates]
+        self._settling_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(ddp))
+
+    def _settle(self, ddp: nn.Module) -> None:
+        fired = set(self._fired)
+        self._fired.clear()
+        if not self._params or not ddp.require_backward_grad_sync:
+            return  # under no_sync the reducer ignores hooks: nothing to fire
+        missing = [i for i in range(len(self._params)) if i not in fired]
+        self.attached_last = len(missing)
+        no_grad = [i for i in missing if self._params[i].grad is None]
+        if missing:
+            log_rank0_once("unused-edges", logging.INFO,
+                           "ddp_patches: %d trainable parameter(s) got no gradient in this backward (e.g. %s); each "
+                           "fires its DDP hook once with no gradient (NOTE [Unused parameters without "
+                           "find_unused_parameters] in ddp_patches/reach.py)", len(missing), self._names[missing[0]])
+            with torch.enable_grad():
+                out = _FireHooks.apply(bool(getattr(ddp, "static_graph", False)), *(self._params[i] for i in missing))
+            torch.autograd.backward(out, torch.zeros_like(out))
+        # Behind the reducer's finalize (queued by now, or already run in the nested backward above).
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._reset_unused_everywhere(ddp, no_grad))
+
+    def _reset_unused_everywhere(self, ddp: nn.Module, no_grad: list[int]) -> None:
+        """NOTE [Unused everywhere ends with grad None]."""
+        counts = torch.zeros(len(self._params), dtype=torch.float32, device=self._params[0].device)
+        if no_grad:
+            counts[torch.tensor(no_grad, device=counts.device)] = 1.0
+        group = getattr(ddp, "process_group", None)
+        torch.distributed.all_reduce(counts, group=group)
+        world = torch.distributed.get_world_size(group)
+        for i in (counts == world).nonzero().flatten().tolist():
+            self._params[i].grad = None
 
 
-def install(ddp: nn.Module) -> UnusedParameterEdges | None:
-    """Attach the per-forward bookkeeping to ``ddp`` when its reducer needs it; return it (for tests)."""
-    if not needed(ddp):
+# NOTE [Only a backward that accumulates]
+# ``torch.autograd.grad`` through the outputs (an input gradient for saliency or an adversarial step, a gradient
+# penalty) runs no AccumulateGrad node, so DDP's hooks do not fire in it and the reducer waits for the loss's own
+# backward. Firing "missing" hooks there would finalize the reducer with zeros, and the real hooks after it would
+# be ignored (measured: 1.25 relative gradient error). So ``_settle`` is queued only in a graph task that will run
+# at least one of the DDP's AccumulateGrad nodes, as the engine says (asked about a leaf that ``autograd.grad``
+# differentiates for, it raises). ``backward(inputs=...)`` naming only some parameters is taken as a full
+# backward: the others would be fired (section "Limits" of the fix document).
+def _accumulates_into(nodes: list) -> bool:
+    try:
+        return any(torch._C._will_engine_execute_node(n) for n in nodes)
+    except RuntimeError:  # "A leaf node was passed ... but we are currently running autograd.grad()"
+        return False
+
+
+class _Recorder:
+    """AccumulateGrad post-hook: remember that parameter ``index`` ran (any graph task, nested included)."""
+
+    __slots__ = ("fired", "index")
+
+    def __init__(self, fired: set[int], index: int) -> None:
+        self.fired, self.index = fired, index
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        self.fired.add(self.index)
+
+
+def _is_graph_output(t: Any) -> bool:
+    # Not a leaf: a parameter returned as an output stays itself (its own hook fires), not a detached alias.
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
+
+
+# NOTE [Outputs found as DDP finds them]
+# DDP's ``_find_tensors`` looks into tensors, lists, tuples, dicts and dataclasses; pytree alone sees a plain
+# @dataclass as one leaf without tensors. So pytree takes what it knows (tuples, namedtuples, dicts, transformers'
+# ModelOutput), and a dataclass leaf is looked into field by field (in place: its fields are what the caller
+# reads; a frozen one too).
+def map_tensors(output: Any, select: Callable[[Any], bool], apply: Callable[[list], tuple]) -> Any:
+    """Replace the tensors ``select`` picks in ``output`` with ``apply(all of them)``'s results, in order."""
+    slots: list[tuple[Any, ...]] = []  # ("leaf", index) or ("field", obj, name)
+    leaves, spec = pytree.tree_flatten(output)
+    for i, leaf in enumerate(leaves):
+        if select(leaf):
+            slots.append(("leaf", i))
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            _dataclass_slots(leaf, select, slots, depth=0)
+    if not slots:
         return None
+    found = [leaves[s[1]] if s[0] == "leaf" else getattr(s[1], s[2]) for s in slots]
+    for slot, new in zip(slots, apply(found)):
+        if slot[0] == "leaf":
+            leaves[slot[1]] = new
+        else:
+            object.__setattr__(slot[1], slot[2], new)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _dataclass_slots(obj: Any, select, slots: list, depth: int) -> None:
+    if depth > 8:
+        return
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name, None)
+        if select(value):
+            slots.append(("field", obj, f.name))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            _dataclass_slots(value, select, slots, depth + 1)
+
+
+def install(ddp: nn.Module) -> UnusedParameterEdges:
+    """Attach the per-forward bookkeeping to ``ddp`` (it acts only in forwards where ``needed``).
+
+    A module wrapped again (a new DDP per phase, or per call in a loop) keeps one set of node hooks, the newest
+    DDP's: the older one's are removed, so wrapping 31 times does not leave 31 Python hooks per parameter.
+    """
+    previous = _by_module.get(ddp.module)
+    if previous is not None:
+        previous.remove()
     edges = UnusedParameterEdges(ddp)
     edges.install(ddp)
     _instances[ddp] = edges
+    _by_module[ddp.module] = edges
     return edges
 
 
 def for_ddp(ddp: nn.Module) -> UnusedParameterEdges | None:
-    """The bookkeeping installed on ``ddp`` (None when its reducer searches for unused parameters itself)."""
+    """The bookkeeping installed on ``ddp``."""
     return _instances.get(ddp)
 
 
 _instances: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # wrapped module -> its newest bookkeeping
+
+
+# -- what the rescue assumes (NOTE [Probed assumptions] in ddp_patches/probes.py) --------------------------------
+class _ProbeStart(torch.autograd.Function):
+    """Identity whose backward queues ``callback`` as a final callback of the graph task, as _BackwardStart does."""
+
+    @staticmethod
+    def forward(ctx, callback, node, x):
+        ctx.callback, ctx.node = callback, node
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        will_run = torch._C._will_engine_execute_node(ctx.node)
+        task = torch._C._current_graph_task_id()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: ctx.callback(will_run, task))
+        return None, None, grad
+
+
+def _check_autograd_hooks() -> None:
+    """A post-hook on a leaf's AccumulateGrad node runs in its backward; a final callback queued from a Function's
+    backward runs after it, in the same graph task, and can run a nested backward that fires another node's hook
+    with no gradient, leaving that leaf's .grad None (what ``_settle`` does)."""
+    from .probes import expect
+
+    p, q = (torch.ones(2, dtype=torch.float32, requires_grad=True) for _ in range(2))
+    events: list = []
+    p_node, q_node = get_gradient_edge(p).node, get_gradient_edge(q).node
+    handles = [p_node.register_hook(lambda gi, go: events.append("p")),
+               q_node.register_hook(lambda gi, go: events.append("q"))]
+
+    def settle(will_run, task):
+        events.append(("callback", will_run, task == torch._C._current_graph_task_id() != -1))
+        with torch.enable_grad():
+            out = _FireHooks.apply(False, q)
+        out.backward()  # no explicit gradient: that path imports sympy (0.5 s at apply())
+
+    try:
+        (_ProbeStart.apply(settle, p_node, p * 2)).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    expect(events == ["p", ("callback", True, True), "q"],
+           f"hooks and final callback ran as {events}, expected p's hook, the callback in that task, q's hook")
+    expect(q.grad is None and torch.equal(p.grad, torch.full((2,), 2.0, dtype=torch.float32)),
+           "a hook fired with no gradient wrote one")
+
+
+ASSUMPTIONS = (
+    probes.Assumption("autograd-hooks", "AccumulateGrad post-hooks, torch._C._current_graph_task_id, "
+                      "torch._C._will_engine_execute_node and final callbacks queued from a backward run as NOTE "
+                      "[Unused parameters without find_unused_parameters] describes", _check_autograd_hooks),
+)

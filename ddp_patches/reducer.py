@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpointing, engines, reach, teardown, tiled_mlp
+from . import checkpointing, engines, guard, probes, reach, teardown, tiled_mlp
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -97,18 +97,36 @@ def _patched_ddp_init(original_init):
         original_init(self, *args, **kwargs)  # the settings as given: NOTE [find_unused is the user's]
         if not is_distributed():
             return
+        engines.own(self)  # NOTE [The engine is the module's owner's]
         tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
-        REGISTRY.add_handle(self.register_forward_pre_hook(TrainableGuard(self)))
-        edges = reach.install(self)
+        REGISTRY.add_instance_handle(self.register_forward_pre_hook(TrainableGuard(self)))
+        reach.install(self)
         teardown.track(self)
-        _log_settings(self, edges is not None)
+        guard.track(self)  # no-op unless the guard is on (ddp_patches/guard.py)
+        _log_settings(self, reach.needed(self))
 
     return __init__
 
 
+def warn_unprotected() -> None:
+    """One WARNING when DDP instances built before apply() exist: they got none of the per-instance protection
+    (their hooks are installed at construction), and nothing here can add it without a forward of theirs."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return  # no process group, so no DDP yet: skip the scan
+    import gc
+
+    # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises
+    count = sum(1 for o in gc.get_objects() if issubclass(type(o), DDP) and reach.for_ddp(o) is None)
+    if count:
+        log_rank0_once("unprotected-ddp", logging.WARNING,
+                       "ddp_patches: %d DistributedDataParallel instance(s) were built before apply() and are not "
+                       "protected (no unused-parameter rescue, no trainable-set check); call apply() before building "
+                       "DDP, the Trainer or accelerator.prepare", count)
+
+
 def _log_settings(ddp: DDP, edges: bool) -> None:
     settings = ", ".join(f"{k}={getattr(ddp, k, None)}" for k in _REPORTED if hasattr(ddp, k))
-    how = ("parameters a forward cannot reach get a zero-gradient edge (ddp_patches.reach)" if edges
+    how = ("a parameter without a gradient fires its hook once at the end of backward (ddp_patches.reach)" if edges
            else "unused parameters are found by DDP itself")
     log_rank0_once(f"ddp-settings:{settings}", logging.INFO,
                    "ddp_patches: DistributedDataParallel built with %s (as given); %s", settings, how)
@@ -155,8 +173,39 @@ def _patch_ddp_no_sync() -> None:
     REGISTRY.install(DDP, "no_sync", _patched_no_sync)
 
 
+# -- what the reducer patches assume (NOTE [Probed assumptions] in ddp_patches/probes.py) -----------------------
+def _check_ddp_attributes() -> None:
+    """DDP still keeps the settings and state the patches read on the instance (only its source shows them)."""
+    probes.source_mentions(DDP, "find_unused_parameters", "static_graph", "require_backward_grad_sync",
+                           "parameters_to_ignore", "process_group", "self.reducer", "_active_ddp_module")
+
+
+def _check_static_graph_flag() -> None:
+    probes.source_mentions(DDP, "_static_graph_delay_allreduce_enqueued")
+
+
+ASSUMPTIONS = (
+    probes.Assumption("ddp-attributes", "DistributedDataParallel keeps find_unused_parameters, static_graph, "
+                      "require_backward_grad_sync, parameters_to_ignore, process_group, reducer and "
+                      "_active_ddp_module as attributes", _check_ddp_attributes),
+    *reach.ASSUMPTIONS,
+)
+NO_SYNC_ASSUMPTIONS = (
+    probes.Assumption("static-graph-flag", "DDP records its first static-graph delayed all-reduce in "
+                      "_static_graph_delay_allreduce_enqueued (NOTE [static graph first step])",
+                      _check_static_graph_flag),
+)
+
+
 def install() -> list[str]:
+    if not probes.verify("reducer", ASSUMPTIONS, "DDP runs as without the library (no unused-parameter rescue, no "
+                         "trainable-set check, no static-graph first sync)"):
+        return []
     _patch_ddp_init()
-    _patch_ddp_no_sync()
-    return list(TARGETS) + teardown.install()
+    targets = [TARGETS[0]]
+    if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
+                     "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
+        _patch_ddp_no_sync()
+        targets.append(TARGETS[1])
+    return targets + teardown.install()
 

@@ -52,6 +52,19 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     }
 
 
+def _forget_task_state(environ: dict[str, str]) -> None:
+    """What one task leaves behind for the next in a reused worker: TrainingArguments(torch_compile=True) writes
+    ACCELERATE_DYNAMO_BACKEND into os.environ, and accelerate's AcceleratorState singleton keeps that task's
+    dynamo plugin; either made every later Accelerator() of the worker compile its model (accelerate's own tests
+    reset the state in tearDown the same way)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state()
+        state.GradientState._reset_state()  # a task left inside accumulate(): sync_gradients=False skips steps
+
+
 def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
     os.environ.update(rank_env(rank, world, port))
     sys.path.insert(0, ROOT)
@@ -65,11 +78,14 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
         if task is None:
             break
         task_id, module, name, kwargs = task
+        environ = dict(os.environ)
         try:
             fn = getattr(importlib.import_module(module), name)
             results.put((task_id, rank, True, fn(**kwargs)))
         except BaseException:  # noqa: BLE001 - everything goes back to the test
             results.put((task_id, rank, False, traceback.format_exc()))
+        finally:
+            _forget_task_state(environ)
     import gc
 
     gc.collect()  # free DDP reducers before the group goes (a reducer freed after it can hang gloo at exit)

@@ -12,11 +12,11 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_patches
-from ddp_patches import versions
+from ddp_patches import offload_probes, versions
 
 TARGETS = [
     (torch_checkpoint, "CheckpointFunction"),
-    (torch_checkpoint, "_checkpoint_without_reentrant_generator"),
+    (torch_checkpoint, offload_probes.generator_name()),  # the one checkpoint() calls on this torch
     (DDP, "__init__"),
     (DDP, "no_sync"),
 ]
@@ -28,7 +28,7 @@ def _raw():
 
 def test_revert_restores_originals_by_identity():
     before = _raw()
-    ddp_patches.apply()
+    ddp_patches.apply(offload=True)
     during = _raw()
     assert all(a is not b for a, b in zip(before, during))
     for replacement, original in zip(during, before):
@@ -47,7 +47,7 @@ def test_apply_twice_is_apply_once():
 
 def test_apply_with_other_options_reapplies():
     ddp_patches.apply()
-    report = ddp_patches.apply(reducer=False, offload=False)
+    report = ddp_patches.apply(reducer=False, offload=False, on_unsynced="off", replica_check_every=0)
     assert report.installed == ("torch.utils.checkpoint.CheckpointFunction",)
     assert vars(DDP)["__init__"].__qualname__ == "DistributedDataParallel.__init__"
     assert not hasattr(vars(DDP)["__init__"], "__ddp_patches__")
@@ -89,8 +89,20 @@ def test_shard_tokens_without_tiled_mlp_warns(caplog):
 def test_offload_true_on_a_cpu_host_says_why_it_is_inert(caplog):
     with caplog.at_level(logging.WARNING, logger="ddp_patches"):
         report = ddp_patches.apply(offload=True)
-    assert "torch.utils.checkpoint._checkpoint_without_reentrant_generator" in report.installed
+    assert f"torch.utils.checkpoint.{offload_probes.generator_name()}" in report.installed
     assert "no CUDA device" in caplog.text and "inert" in caplog.text
+
+
+def test_offload_is_opt_in_and_auto_means_off_with_one_warning(caplog):
+    from ddp_patches import offload
+
+    assert offload.target() not in ddp_patches.apply().installed  # the default installs no offload
+    ddp_patches.revert()
+    with caplog.at_level(logging.WARNING, logger="ddp_patches"):
+        report = ddp_patches.apply(offload="auto")
+    assert offload.target() not in report.installed and report.options["offload"] is False
+    lines = [r.getMessage() for r in caplog.records if "offload='auto' now means offload=False" in r.getMessage()]
+    assert len(lines) == 1 and "opt-in" in lines[0]
 
 
 def test_offload_false_installs_no_offload_patch():
@@ -128,3 +140,45 @@ def test_originals_are_not_stashed_on_torch():
     ddp_patches.apply()
     for owner in (torch_checkpoint, DDP, torch):
         assert not [k for k in vars(owner) if "ddp_patches" in k.lower() or "original" in k.lower()]
+
+
+def test_nested_patched_restores_the_previous_options_exactly():
+    outer = ddp_patches.apply(offload=False)
+    with ddp_patches.patched(tiled_mlp=True) as inner:
+        assert inner.options["tiled_mlp"] is True
+    assert ddp_patches.is_applied()
+    from ddp_patches import api
+
+    assert api._state["report"].options == outer.options
+
+
+def reapply_keeps_live_ddp_protected() -> bool:
+    """Item 7 of issue 18: apply() again with other options while a DDP exists; rank 1 never uses the branch."""
+    from tests.test_reach import _Branchy, _flag_batch, _mse
+
+    rank = torch.distributed.get_rank()
+    make = _flag_batch(lambda r, it: r == 0)
+    torch.manual_seed(0)
+    ddp_patches.apply()
+    ddp = DDP(_Branchy().double())
+    for it in range(4):
+        if it == 2:
+            ddp_patches.apply(offload=False)  # other options, same process, the DDP alive
+        _mse(ddp, make(rank, it, 0)).backward()
+    ddp_patches.revert()
+    return True
+
+
+def test_reapply_keeps_live_ddps_protected(pool):
+    assert pool.run(reapply_keeps_live_ddp_protected) == [True, True]
+
+
+def test_apply_in_a_launched_process_without_a_group_does_not_import_dynamo():
+    """DataLoader workers inherit WORLD_SIZE and the runner applies in each: registering the compile notice there
+    imported dynamo (about 1.5 s, as much as torch itself). It waits for the first distributed call instead."""
+    import os
+
+    code = "import sys, torch, ddp_patches; ddp_patches.apply(); print('torch._dynamo' in sys.modules)"
+    env = dict(os.environ, WORLD_SIZE="2")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip() == "False", out.stderr

@@ -96,3 +96,58 @@ def test_console_script_is_installed():
     assert path, "pip install -e . installs the ddp-patches-run console script (pyproject [project.scripts])"
     out = run([path, "--help"])
     assert out.returncode == 0 and "every Python process it starts" in out.stdout
+
+
+# -- issue 18, items 4, 5, 8 -------------------------------------------------------------------------------------
+def test_the_readme_quick_start_under_the_runner():
+    """Item 4: the script itself does ``import ddp_patches; ddp_patches.apply()`` (api imports torch, whose import
+    hook must not re-enter the half-initialised api)."""
+    code = ("import ddp_patches; report = ddp_patches.apply(offload=True); import torch; "
+            "print('PROBE', ddp_patches.is_applied(), report.options['offload'])")
+    out = run([sys.executable, "-m", "ddp_patches.autoapply", "--offload", "false", sys.executable, "-c", code])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert probes(out.stdout) == ["PROBE True True"]  # the script's own apply() has the last word
+
+
+@pytest.mark.parametrize("first", ["from transformers import PretrainedConfig", "import trl", "import accelerate"])
+def test_libraries_imported_before_torch_with_tiled_mlp(first, tmp_path):
+    """Item 5: transformers (or trl, accelerate) imports torch inside its own import chain; apply() must not import
+    transformers there. It runs at first use instead: here the process group's creation."""
+    code = (f"{first}\nimport torch, torch.distributed as dist, ddp_patches\n"
+            "before = ddp_patches.is_applied()\n"
+            f"dist.init_process_group('gloo', init_method='file://{tmp_path}/pg', rank=0, world_size=1)\n"
+            "print('PROBE', before, ddp_patches.is_applied(), ddp_patches.api._state['report'].options['tiled_mlp'])\n"
+            "dist.destroy_process_group()")
+    out = run([sys.executable, "-m", "ddp_patches.autoapply", "--tiled-mlp", "true", sys.executable, "-c", code],
+              timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = probes(out.stdout)
+    assert line.endswith("True True"), line
+
+
+@pytest.mark.parametrize("variable,value", [("DDP_PATCHES_OFFLOAD", "maybe"), ("DDP_PATCHES_LOG_LEVEL", "verbose")])
+def test_bad_environment_options_fail_before_launch(variable, value):
+    """Item 8: a bad value already in the environment fails in the runner, naming the variable, and runs nothing."""
+    code = "print('PROBE ran')"
+    out = run([sys.executable, "-m", "ddp_patches.autoapply", sys.executable, "-c", code], env={variable: value})
+    assert out.returncode == 2 and variable in out.stderr and probes(out.stdout) == [], (out.stdout, out.stderr)
+    # And where the start-up hook meets it without the runner's check (set by hand), the process stops too.
+    hand = run([sys.executable, "-c", "import torch; " + code],
+               env={"PYTHONPATH": os.pathsep.join([autoapply.BOOTSTRAP_DIR, os.environ.get("PYTHONPATH", ROOT)]),
+                    autoapply.ENABLE: "1", variable: value})
+    assert hand.returncode != 0 and variable in hand.stderr and probes(hand.stdout) == [], (hand.stdout, hand.stderr)
+
+
+def test_the_import_check_does_not_run_a_lazily_loaded_module(tmp_path, monkeypatch):
+    """Reading a lazily loaded module's ``__spec__`` (importlib.util.LazyLoader, the lazy_loader package) runs its
+    body; a body that raises made the runner's hook fail where torch alone was fine."""
+    import importlib.util
+
+    (tmp_path / "lazy_plugin.py").write_text("raise ImportError('an optional dependency is missing')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = importlib.util.find_spec("lazy_plugin")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "lazy_plugin", module)
+    spec.loader.exec_module(module)
+    assert autoapply._import_in_progress() is False

@@ -52,3 +52,50 @@ def test_offload_smoke_on_cpu_and_skip_message(tmp_path):
 def test_runner_rejects_unknown_names():
     proc = _run(["-m", "benchmarks", "--only", "nope"], timeout=120)
     assert proc.returncode == 2 and "choose from" in proc.stderr
+
+
+def test_gpu_proof_dry_run_and_its_readers(tmp_path):
+    """The GPU proof cannot run in CI; its harness can: every step listed, results written, outputs parsed."""
+    from benchmarks import gpu_proof
+
+    out = tmp_path / "proof.json"
+    proc = _run(["-m", "benchmarks.gpu_proof", "--dry-run", "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proof = json.loads(out.read_text())
+    assert [s["name"] for s in proof["steps"]] == [s.name for s in gpu_proof.steps("/tmp")]
+    assert all(s["status"] == "dry-run" for s in proof["steps"]) and proof["dry_run"]
+
+    pytest_out = ("PASSED tests/test_offload_cuda.py::test_a\nFAILED tests/test_offload_cuda.py::test_b - boom\n"
+                  "SKIPPED [1] tests/test_offload_cuda.py:12: needs two CUDA devices\n1 failed, 1 passed, 1 skipped")
+    judged = gpu_proof.judge("cuda-tests", 1, pytest_out, None)
+    assert judged["status"] == "fail" and judged["tests"]["tests/test_offload_cuda.py::test_b"] == "failed"
+    assert gpu_proof.judge("cuda-tests", None, "", None) == {"status": "fail", "summary": "timed out"}
+    validate = {"rows": [{"scenario": "raw-offload-stack", "patched": {"status": "pass"}},
+                         {"scenario": "llama-qlora-find-unused", "patched": {"status": "error"}}]}
+    assert gpu_proof.judge("validate-cuda", 1, "", validate)["summary"].startswith("1 of 2 scenarios pass")
+    rows = {"rows": [{"seq": 8192, "misses": ["time 1.1x > 1.03x"]}]}
+    assert gpu_proof.judge("offload-gpu-bound", 0, "", rows)["status"] == "missed targets"
+    section = gpu_proof.readme_section({"environment": {"date": "2026-01-01"}, "steps": [
+        {"name": "cuda-tests", "status": "pass", "summary": "3 passed"}]})
+    assert section.startswith(gpu_proof.START) and section.endswith(gpu_proof.END) and "| cuda-tests | pass |" in section
+    assert gpu_proof.merge([str(out), str(out)], str(tmp_path / "merged.json"), readme=False) == 0
+    assert len(json.loads((tmp_path / "merged.json").read_text())["steps"]) == 2 * len(proof["steps"])
+
+
+def test_committed_gpu_proof_matches_the_readme_section():
+    """The README's GPU section is generated from docs/gpu-proof.json, not edited by hand."""
+    from benchmarks import gpu_proof
+
+    with open(gpu_proof.DEFAULT_OUT) as f:
+        proof = json.load(f)
+    with open(gpu_proof.README) as f:
+        assert gpu_proof.readme_section(proof) in f.read()
+
+
+def test_max_seq_smoke_finds_a_length_on_each_side(tmp_path):
+    proc = _run(["benchmarks/max_seq.py", "--smoke", "--out-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "max_seq.json").read_text())
+    assert report["unpatched"]["max_seq"] > 0 and report["patched"]["max_seq"] > 0
+    assert report["patched"]["tiled_calls"] > 0  # the patched side really tiled
+    assert set(report["unpatched"]["parts_per_token"]) >= {"checkpoint_inputs", "mlp_one_layer", "attention_one_layer"}

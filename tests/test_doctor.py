@@ -106,3 +106,13 @@ def test_command_line_reports_and_exits_zero_without_errors():
     report = json.loads(out.stdout)
     assert report["versions"]["torch"].startswith("2.") and report["world_size"] == 1
     assert any("CheckpointFunction" in c for c in report["would_change"])
+
+
+def test_dpo_with_liger_is_flagged_as_an_unwrapped_loss(tmp_path):
+    from trl import DPOConfig
+
+    from ddp_patches.doctor import diagnose
+
+    assert "unwrapped-loss" in diagnose(None, DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_liger_kernel=True)).codes()
+    assert "unwrapped-loss" not in diagnose(None, DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)).codes()
+    assert any("rendezvous store" in line for line in diagnose().would_change)

@@ -154,6 +154,7 @@ def fsdp2_offload(accum=2):
     with offloading(offloader):
         result = fsdp2.run_fsdp2_parity(lambda: _lora(layers=4), _batch, _combine, _loss, accum=accum).as_dict()
     result["offloaded"] = offloader.last_step.offloaded_tensors if offloader.last_step else 0
+    result["offload_stats"] = (offloader.last_step or offloader.stats).as_dict()
     return result
 
 
@@ -182,7 +183,7 @@ def _loss(model, batch):
 def test_fsdp2_offload_cpu_path_parity(pool):
     for r in pool.run(fsdp2_offload):
         assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
-        assert r["offloaded"] > 0, r
+        assert r["offloaded"] > 0, r["offload_stats"]
 
 
 def fsdp2_vlm_text_only_rank():
@@ -208,26 +209,31 @@ def test_fsdp2_says_once_what_steps_aside(pool):
 
 
 # -- DeepSpeed ---------------------------------------------------------------------------------------------------
-def ddp_under_hf_deepspeed_config():
-    """A DDP model while an HfDeepSpeedConfig (ZeRO-3) is alive: nothing may force non-reentrant."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def ddp_student_beside_zero3_teacher() -> dict:
+    """Item 9 of issue 18: a DDP student while an HfDeepSpeedConfig (ZeRO-3) is alive for a teacher. The checkpoint
+    swap acts for the student (the same layer checkpointed twice, reentrant: "marked ready twice" without it); a
+    module with partitioned parameters (the teacher) is still DeepSpeed's."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    from ddp_patches.verify.raw_models import WIDTH, CheckpointOnce
+    from ddp_patches.verify.raw_models import raw_parity
 
     config = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
     try:
         with ddp_patches.patched():
-            ddp = DDP(CheckpointOnce(use_reentrant=True).double())
-            out = ddp(torch.randn(4, WIDTH, dtype=torch.float64, requires_grad=True))
-            return _reentrant_nodes(out.sum())
+            student = raw_parity("twice", use_reentrant=True, ddp_kwargs={}, accum=1).as_dict()
+            teacher = nn.Linear(2, 2)
+            for p in teacher.parameters():
+                p.ds_id = 0  # what ZeRO-3 partitioning leaves on a parameter
+            return {"student": student, "teacher": engines.of_module(teacher)}
     finally:
         del config
 
 
 @needs_deepspeed
-def test_zero3_config_keeps_reentrant_checkpoints(pool):
-    assert all(n > 0 for n in pool.run(ddp_under_hf_deepspeed_config))
+def test_a_ddp_student_beside_a_zero3_teacher_is_ddps(pool):
+    for r in pool.run(ddp_student_beside_zero3_teacher):
+        assert r["student"]["max_rel_error"] <= 1e-9 and r["student"]["ranks_in_sync"]
+        assert r["teacher"] == engines.DEEPSPEED
 
 
 def zero3_lora(reentrant=True, patched=True):
@@ -250,7 +256,7 @@ def zero3_lora(reentrant=True, patched=True):
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
     keep = HfDeepSpeedConfig(config)
     forced = cpu_path_offloader()
-    patches = ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
+    patches = ddp_patches.patched(offload=True, tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
     try:
         with _warnings() as lines, patches, offload.use_offloader(forced):
             torch.manual_seed(0)
@@ -310,7 +316,7 @@ def compiled_ddp(ckpt_kwargs=None, outer=True, backend="aot_eager", patched=True
     from ddp_patches.verify.hf_models import build_lora_model, lm_batch, lm_loss, lm_parity
 
     torch._dynamo.reset()
-    patches = ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
+    patches = ddp_patches.patched(offload=True, tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
     with _warnings() as lines, patches:
         result = lm_parity("qwen2", ckpt_kwargs, iters=2, accum=2, reference_context=tiled_mlp.untiled,
                            wrap=_compiled(outer, backend)).as_dict()

@@ -117,17 +117,23 @@ def _cell(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def readme_block(text: str) -> str:
-    start, end = text.index(START), text.index(END) + len(END)
-    return text[start:end]
+def readme_block(text: str, start: str = START, end: str = END) -> str:
+    """The generated block between ``start`` and ``end`` (markers included); also used for other blocks."""
+    first, last = text.index(start), text.index(end) + len(end)
+    return text[first:last]
 
 
-def write_readme(data: dict) -> None:
-    with open(README, encoding="utf-8") as f:
+def write_block(block: str, start: str = START, end: str = END, path: str = README) -> None:
+    """Replace the README's block between ``start`` and ``end`` with ``block`` (which carries the markers)."""
+    with open(path, encoding="utf-8") as f:
         text = f.read()
-    text = text.replace(readme_block(text), render(data))
-    with open(README, "w", encoding="utf-8") as f:
+    text = text.replace(readme_block(text, start, end), block)
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def write_readme(data: dict, *, render=render, start: str = START, end: str = END) -> None:
+    write_block(render(data), start, end)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,9 +26,9 @@ def forced(**kwargs) -> CheckpointInputOffloader:
 
 @contextlib.contextmanager
 def offloading(offloader: CheckpointInputOffloader) -> Iterator[CheckpointInputOffloader]:
-    """apply() installs the generator patch; ``offloader`` replaces the default one inside the block."""
+    """apply(offload=True) installs the generator patch; ``offloader`` replaces the default one inside the block."""
     import ddp_patches
     from ddp_patches import offload
 
-    with ddp_patches.patched(), offload.use_offloader(offloader):
+    with ddp_patches.patched(offload=True), offload.use_offloader(offloader):
         yield offloader

@@ -1,5 +1,6 @@
-"""Where verification runs: CPU by default; ``DDP_PATCHES_DEVICE=cuda`` (validate_ddp_fix.py --backend nccl)
-puts each rank on ``cuda:LOCAL_RANK``."""
+"""Where verification runs: CPU by default; ``DDP_PATCHES_DEVICE=cuda`` (validate_ddp_fix.py --device cuda, or
+--backend nccl) puts each rank on ``cuda:LOCAL_RANK``, wrapping around the visible GPUs (two gloo ranks share one
+GPU; NCCL needs one GPU per rank, which validate_ddp_fix.py checks)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 def device() -> torch.device:
     if os.environ.get("DDP_PATCHES_DEVICE", "cpu") == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 

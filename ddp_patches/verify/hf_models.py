@@ -99,10 +99,8 @@ def build_lora_model(family: str, ckpt_kwargs: Any = None, *, qlora: bool = Fals
     model = build_causal_lm(family, dtype=dtype if not qlora else torch.float32, qlora=qlora, layers=layers)
     if qlora:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
-    elif ckpt_kwargs == _UNSET:
-        model.activation_checkpointing_enable()
     else:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=ckpt_kwargs)
+        enable_checkpointing(model, None if ckpt_kwargs == _UNSET else ckpt_kwargs)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     model.train()
@@ -163,3 +161,14 @@ def lm_dataset(n: int = 16, seq: int = SEQ, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (n, seq), generator=g).tolist()
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def enable_checkpointing(model, kwargs: dict | None = None) -> None:
+    """Checkpointing on through whichever name this transformers has: ``activation_checkpointing_enable``
+    (5.2x) or ``gradient_checkpointing_enable`` (4.x and early 5.x, e.g. the 5.17 on the GPU machine).
+    ``kwargs=None`` leaves the library's default checkpoint kwargs."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        enable, key = model.activation_checkpointing_enable, "activation_checkpointing_kwargs"
+    else:
+        enable, key = model.gradient_checkpointing_enable, "gradient_checkpointing_kwargs"
+    enable() if kwargs is None else enable(**{key: kwargs})

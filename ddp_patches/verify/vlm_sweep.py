@@ -214,7 +214,7 @@ def run_family(model_type: str) -> dict:
     setup = Setup(model_type)
     forced = cpu_path_offloader()
     try:
-        with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=4), offload.use_offloader(forced):
+        with ddp_patches.patched(offload=True, tiled_mlp=True, tiled_mlp_shard_tokens=4), offload.use_offloader(forced):
             result = train("trainer", family=model_type, setup=setup, ckpt_kwargs={"use_reentrant": True},
                            text_only_rank=1, accum=2, steps=2)
             tiled = tiled_mlp.counts()["tiled_calls"]

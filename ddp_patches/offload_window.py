@@ -1,0 +1,82 @@
+"""Step windows and per-step accounting for offload (NOTE [Step windows] in ``offload.py``).
+
+A window is one micro-step's packed checkpoint inputs, held through weak references only, so it never keeps a
+saved input alive and stays bounded whatever the user does.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from collections import Counter
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """What one micro-step did. Bytes "offloaded" are device bytes given back (the tensor's last holder dropped);
+    a copy that would free nothing is counted under ``kept``."""
+
+    step: int = 0
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    deduplicated: int = 0
+    kept_last: int = 0  # still on the device when backward first asked for it (no copy in needed)
+    kept: dict = dataclasses.field(default_factory=Counter)
+    prefetched: int = 0
+    waited: int = 0  # unpacks that had to start their own host-to-device copy
+    restored_again: int = 0  # unpacks served by a tensor already brought back (shared inputs)
+    copies_in: int = 0  # host-to-device copies issued
+    peak_pinned_bytes: int = 0
+    pinned_allocations: int = 0  # new pinned buffers (their cost is paid inside forward: first step, new sizes)
+    pin_ms: float = 0.0
+    stall_ms: float = 0.0  # GPU time the compute stream waited for copies in (only when the copier measures it)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["kept"] = dict(self.kept)
+        return d
+
+
+class StepWindow:
+    """The handles of one micro-step, in pack order, plus the device-to-host copies still in flight."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.stats = OffloadStats(step=step)
+        self.order: list[weakref.ref] = []  # pruned of dead handles now and then; handle.index is its position
+        self.by_key: dict[tuple, weakref.ref] = {}
+        # one list per recent checkpoint region: weakrefs of its handles whose device tensor is still held
+        self.in_flight: collections.deque = collections.deque()
+        self.unpacked = False  # a backward reached this window's inputs
+
+    def add(self, handle, key: tuple) -> None:
+        handle.index = len(self.order)
+        self.by_key[key] = weakref.ref(handle)
+        self.order.append(weakref.ref(handle))
+
+    def find(self, key: tuple):
+        ref = self.by_key.get(key)
+        return ref() if ref is not None else None
+
+    def live(self) -> list:
+        return [h for h in (ref() for ref in self.order) if h is not None]
+
+    def finished(self) -> bool:
+        """A backward reached the inputs and autograd freed every one of them."""
+        return self.unpacked and all(ref() is None for ref in self.order)
+
+    def compact(self) -> None:
+        """Drop dead references once they are the majority, renumbering the live handles."""
+        live = [ref for ref in self.order if ref() is not None]
+        if len(live) >= len(self.order) // 2:
+            return
+        self.order = live
+        for i, ref in enumerate(live):
+            h = ref()
+            if h is not None:
+                h.index = i
+        self.by_key = {k: r for k, r in self.by_key.items() if r() is not None}
+
+    def earlier(self, index: int) -> list:
+        """Live handles packed before ``index``, nearest first."""
+        return [h for h in (ref() for ref in reversed(self.order[:index])) if h is not None]
