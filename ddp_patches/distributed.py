@@ -20,9 +20,21 @@ _logged_once: set[str] = set()
 _on_first: list = []  # called once, the first time is_distributed() is True (NOTE [Compile notice armed lazily])
 
 
+def world_is_distributed() -> bool:
+    """True only when a default process group is initialized with world size > 1; nothing else happens.
+
+    For code that runs at teardown and exit (ddp_patches/teardown.py): a collective-only script must not pay for
+    what is_distributed() runs the first time (an import of torch._dynamo, about 1.5 s) while it shuts down.
+    """
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def is_distributed() -> bool:
-    """True only when a default process group is initialized with world size > 1."""
-    result = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """True only when a default process group is initialized with world size > 1.
+
+    The first time it is, the callbacks of on_first_distributed() run (once).
+    """
+    result = world_is_distributed()
     if result and _on_first and not torch.compiler.is_compiling():  # never while dynamo traces
         waiting = list(_on_first)
         _on_first.clear()

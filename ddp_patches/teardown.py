@@ -46,7 +46,10 @@
 # registered with atexit (atexit callbacks run before finalization, and a sleep releases the GIL), 0 of 20. It
 # is also what remained of the abort in TRL's sft.py after the fix above (1 of 10 patched runs on CI's 2 cores).
 # So the teardown patch registers such a pause, which runs in a process that was distributed (world size > 1)
-# and costs it EXIT_PAUSE_S at exit; revert() unregisters it. It cannot help a collective still running at exit
+# and costs it EXIT_PAUSE_S at exit (0.1 s, twice the measured 50 ms, for headroom on a loaded machine); revert()
+# unregisters it. Both it and the patched destroy_process_group ask world_is_distributed(), never is_distributed():
+# the latter's first call runs the on-first callbacks (an import of torch._dynamo, ~1.5 s), a cost a script that
+# only ran collectives must not pay while it shuts down. It cannot help a collective still running at exit
 # (async_op=True left unwaited): that work frees its tensors after finalization began, with or without us.
 """
 
@@ -64,7 +67,7 @@ from torch import nn
 
 from . import probes
 from ._registry import REGISTRY
-from .distributed import is_distributed
+from .distributed import world_is_distributed
 
 logger = logging.getLogger("ddp_patches")
 
@@ -155,7 +158,7 @@ _was_distributed: list[bool] = []  # set once a patched destroy_process_group sa
 
 def pause_for_collective_workers() -> None:
     """The atexit callback of NOTE [A pause at exit]."""
-    if _was_distributed or is_distributed():
+    if _was_distributed or world_is_distributed():
         time.sleep(EXIT_PAUSE_S)
 
 
@@ -172,7 +175,7 @@ class _AtExit:
 
 def _patched_destroy_process_group(original):
     def destroy_process_group(group=None, *args, **kwargs):
-        if is_distributed():
+        if world_is_distributed():
             _was_distributed[:] = [True]
         if dist.is_initialized():
             for ddp in list(_live):

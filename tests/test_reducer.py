@@ -151,6 +151,41 @@ for _ in range(3):  # temporaries: once wait() returns, only the work holds them
 """
 
 
+COLLECTIVES_ONLY_SCRIPT = """
+import atexit, os, sys
+sys.path.insert(0, os.environ["ROOT"])
+import torch, torch.distributed as dist
+
+def report(when):
+    with open(os.path.join(os.environ["OUT"], f"{when}-{dist.get_rank() if dist.is_initialized() else rank}"),
+              "w") as f:
+        f.write(str("torch._dynamo" in sys.modules))
+
+rank = int(os.environ["RANK"])
+atexit.register(report, "exit")  # registered first, so it runs after the library's pause
+import ddp_patches
+ddp_patches.apply()
+dist.init_process_group("gloo")
+dist.all_gather([torch.zeros(4) for _ in range(2)], torch.ones(4))
+dist.destroy_process_group()
+report("destroy")
+"""
+
+
+def test_teardown_asks_without_side_effects_in_a_collectives_only_script(tmp_path):
+    """A script that only runs collectives (accelerate's gather, an eval) never needs is_distributed()'s first-call
+    work (importing torch._dynamo, ~1.5 s); the patched destroy_process_group and the exit pause must not do it."""
+    from tests.external import run_bounded, torchrun
+    from tests.harness import ROOT
+
+    script = tmp_path / "collectives_only.py"
+    script.write_text(COLLECTIVES_ONLY_SCRIPT)
+    out = run_bounded(torchrun(str(script), patched=False), timeout=120, env={"ROOT": ROOT, "OUT": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = {f.name: f.read_text() for f in tmp_path.glob("*-[01]")}
+    assert seen == {f"{when}-{r}": "False" for when in ("destroy", "exit") for r in (0, 1)}, seen
+
+
 def test_a_finished_collective_does_not_abort_the_exit(tmp_path):
     """NOTE [A pause at exit]: without the pause this script aborts at exit in most runs ("terminate called without
     an active exception", exit -6; 15 of 20 here with the library's pause left out); patched, none may."""
