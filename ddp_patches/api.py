@@ -131,6 +131,7 @@ def apply(
     if options["reducer"]:
         _reducer_patch.warn_unprotected()
     notes = [] if options["offload"] is False else [versions.offload_unsupported_reason()]
+    notes += [versions.teardown_pause_reason()] if "torch.distributed.destroy_process_group" in installed else []
     notes += [_probes.note(patch) for patch in ("checkpointing", "reducer", "no_sync", "teardown", "offload")]
     report = ApplyReport(tuple(installed), options, tuple(n for n in notes if n), _engines.summary())
     _state["report"] = report

@@ -51,6 +51,22 @@
 # the latter's first call runs the on-first callbacks (an import of torch._dynamo, ~1.5 s), a cost a script that
 # only ran collectives must not pay while it shuts down. It cannot help a collective still running at exit
 # (async_op=True left unwaited): that work frees its tensors after finalization began, with or without us.
+#
+# NOTE [Freeing a group needs a GIL-free destructor]
+# Both notes above end with the group freed inside destroy_process_group, "through its own GIL-releasing handle".
+# That handle came with torch 2.8 (pytorch#154976). Before it, the last decref of a ProcessGroup runs
+# ~ProcessGroupGloo with the GIL held, and that joins the worker threads -- one of which may still be destroying a
+# finished allgather of temporaries and waiting for the GIL: the deadlock of the first note, inside
+# destroy_process_group. torch 2.4 and 2.7 have it without the library: init, three all_gathers of temporaries,
+# destroy_process_group, on 2 gloo ranks, hangs in 9 of 20 runs on torch 2.4.0 and 6 of 20 on 2.7.1 (py-spy:
+# MainThread in ~ProcessGroupGloo -> thread::join, the worker in ~AsyncAllgatherWork -> gil_scoped_acquire), 0 of
+# 20 on 2.8.0 and 0 of 25 on 2.13. With a DDP alive it did not happen there unpatched, because the DDP kept the
+# group to exit; releasing the reducer first moved the last decref into destroy_process_group and so into the
+# deadlock (the oldest lane's CI run; 2 of 16 patched runs of that test's script here). The deadlock needs a
+# worker that has not yet freed a finished collective, so on torch < 2.8 the patched destroy_process_group first
+# sleeps EXIT_PAUSE_S, which releases the GIL, as the pause at exit does: the same 2.4 script with a 0.1 s sleep
+# before destroy_process_group hangs in 0 of 20 runs. It is a pause, not a proof: a worker descheduled for longer
+# can still deadlock, as it can without the library. apply()'s report names the pause on such a torch.
 """
 
 from __future__ import annotations
@@ -65,7 +81,7 @@ import weakref
 import torch.distributed as dist
 from torch import nn
 
-from . import probes
+from . import probes, versions
 from ._registry import REGISTRY
 from .distributed import world_is_distributed
 
@@ -74,6 +90,7 @@ logger = logging.getLogger("ddp_patches")
 TARGETS = ("torch.distributed.destroy_process_group",)
 
 _live: weakref.WeakSet = weakref.WeakSet()
+_was_distributed: list[bool] = []  # set once a patched destroy_process_group saw world size > 1
 
 
 class ReleasedReducer:
@@ -153,7 +170,6 @@ def _uses(ddp: nn.Module, group) -> bool:
 
 
 EXIT_PAUSE_S = 0.1
-_was_distributed: list[bool] = []  # set once a patched destroy_process_group saw world size > 1
 
 
 def pause_for_collective_workers() -> None:
@@ -177,6 +193,8 @@ def _patched_destroy_process_group(original):
     def destroy_process_group(group=None, *args, **kwargs):
         if world_is_distributed():
             _was_distributed[:] = [True]
+            if versions.group_destructor_holds_gil():
+                time.sleep(EXIT_PAUSE_S)  # NOTE [Freeing a group needs a GIL-free destructor]
         if dist.is_initialized():
             for ddp in list(_live):
                 if _uses(ddp, group):

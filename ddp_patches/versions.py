@@ -13,6 +13,9 @@ MINIMUM = {"torch": (2, 4), "transformers": (4, 46)}
 # Offload reads the saved-tensor hook stack (torch._C._autograd._top_saved_tensors_default_hooks), which torch 2.8
 # added; on 2.4-2.7 apply() installs it inert and says so in its report.
 OFFLOAD_MINIMUM_TORCH = (2, 8)
+# Before torch 2.8 (pytorch#154976) a ProcessGroup's Python handle runs its destructor with the GIL held; the
+# teardown patch then pauses before a group is freed (NOTE [Freeing a group needs a GIL-free destructor]).
+GIL_FREE_GROUP_DESTRUCTOR_TORCH = (2, 8)
 TESTED = {"torch": "2.4 to 2.14", "transformers": "4.46 to 5.23", "peft": "0.13 to 0.21", "trl": "0.12 to 1.16",
           "accelerate": "1.0 to 1.15"}
 
@@ -61,3 +64,20 @@ def offload_unsupported_reason(torch_version: str | None = None) -> str | None:
         return (f"offload needs torch >= {OFFLOAD_MINIMUM_TORCH[0]}.{OFFLOAD_MINIMUM_TORCH[1]} (found {found}): "
                 "it stays inert; the other patches are unaffected")
     return None
+
+
+def group_destructor_holds_gil(torch_version: str | None = None) -> bool:
+    """True on a torch whose ProcessGroup destructor runs with the GIL held (before 2.8)."""
+    found = torch_version or installed("torch")
+    return found is not None and parse(found) < GIL_FREE_GROUP_DESTRUCTOR_TORCH
+
+
+def teardown_pause_reason(torch_version: str | None = None) -> str | None:
+    """apply()'s report line when destroy_process_group pauses first on this torch, or None."""
+    found = torch_version or installed("torch")
+    if not group_destructor_holds_gil(found):
+        return None
+    minimum = GIL_FREE_GROUP_DESTRUCTOR_TORCH
+    return (f"teardown pauses before destroy_process_group frees a group: torch {found} (< {minimum[0]}.{minimum[1]}) "
+            "runs the group's destructor with the GIL held, which deadlocks with a gloo worker still freeing a "
+            "finished collective")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ddp_patches
+from ddp_patches import versions
 
 
 def released_case() -> dict:
@@ -139,6 +140,19 @@ def test_destroyed_default_group_is_freed_not_kept_by_default_arguments(tmp_path
     assert left["unpatched"] and all(threads > 0 for threads in left["unpatched"]), left
 
 
+def test_teardown_pauses_before_freeing_a_group_where_its_destructor_holds_the_gil(monkeypatch):
+    """NOTE [Freeing a group needs a GIL-free destructor]: torch < 2.8; apply()'s report names the pause."""
+    assert versions.group_destructor_holds_gil("2.4.0") and versions.group_destructor_holds_gil("2.7.1")
+    assert not versions.group_destructor_holds_gil("2.8.0") and versions.teardown_pause_reason("2.8.0") is None
+    assert "torch 2.7.1 (< 2.8) runs the group's destructor with the GIL held" in versions.teardown_pause_reason("2.7.1")
+    monkeypatch.setattr(versions, "GIL_FREE_GROUP_DESTRUCTOR_TORCH", (99, 0))
+    with ddp_patches.patched() as report:
+        assert "torch.distributed.destroy_process_group" in report.installed
+        assert any(note.startswith("teardown pauses before destroy_process_group") for note in report.notes)
+    with ddp_patches.patched(reducer=False) as report:
+        assert not any(note.startswith("teardown") for note in report.notes)
+
+
 EXIT_RACE_SCRIPT = """
 import os, sys
 sys.path.insert(0, os.environ["ROOT"])
@@ -148,6 +162,8 @@ ddp_patches.apply()
 dist.init_process_group("gloo")
 for _ in range(3):  # temporaries: once wait() returns, only the work holds them; a gloo worker frees them
     dist.all_gather([torch.zeros(1000) for _ in range(2)], torch.ones(1000))
+if sys.argv[1] == "destroy":  # torch < 2.8: NOTE [Freeing a group needs a GIL-free destructor]
+    dist.destroy_process_group()
 """
 
 
@@ -186,14 +202,17 @@ def test_teardown_asks_without_side_effects_in_a_collectives_only_script(tmp_pat
     assert seen == {f"{when}-{r}": "False" for when in ("destroy", "exit") for r in (0, 1)}, seen
 
 
-def test_a_finished_collective_does_not_abort_the_exit(tmp_path):
+@pytest.mark.parametrize("end", ["exit", "destroy"])
+def test_a_finished_collective_does_not_abort_the_exit(tmp_path, end):
     """NOTE [A pause at exit]: without the pause this script aborts at exit in most runs ("terminate called without
-    an active exception", exit -6; 15 of 20 here with the library's pause left out); patched, none may."""
+    an active exception", exit -6; 15 of 20 here with the library's pause left out); patched, none may. Ended by
+    destroy_process_group, it hangs there without the library on torch < 2.8 (9 of 20 runs on 2.4.0: NOTE [Freeing
+    a group needs a GIL-free destructor]); patched, none may."""
     from tests.external import EXIT_ABORT, run_bounded, torchrun
     from tests.harness import ROOT
 
     script = tmp_path / "exit_race.py"
     script.write_text(EXIT_RACE_SCRIPT)
     for _ in range(6):
-        out = run_bounded(torchrun(str(script), patched=False), timeout=120, env={"ROOT": ROOT})
+        out = run_bounded(torchrun(str(script), end, patched=False), timeout=120, env={"ROOT": ROOT})
         assert out.returncode == 0 and EXIT_ABORT not in out.stderr, out.stderr[-3000:]
