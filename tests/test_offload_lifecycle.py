@@ -306,7 +306,7 @@ def test_offload_states_its_minimum_torch(monkeypatch):
     report = ddp_patches.apply(offload=True)
     assert "offload needs torch >= 2.8" in str(report) and report.notes
     ddp_patches.revert()
-    assert not ddp_patches.apply(offload=False).notes  # nothing to say when offload is off
+    assert not [n for n in ddp_patches.apply(offload=False).notes if "offload" in n]  # nothing to say when it is off
 
 
 def test_doctor_names_the_offload_minimum():
