@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import math
 from typing import Callable
 
@@ -308,7 +309,13 @@ def _discover_after_post_init(original_post_init: Callable) -> Callable:
 
 
 def enabled() -> bool:
-    """apply(tiled_mlp=True) is in effect (its discovery hook is installed)."""
+    """apply(tiled_mlp=True) is in effect (its discovery hook is installed).
+
+    transformers is optional: where it was never imported, install() (which imports it) has not run, and a
+    torch-only process must not need it to build a DDP.
+    """
+    if sys.modules.get("transformers") is None:
+        return False
     from transformers import PreTrainedModel
 
     return REGISTRY.is_patched(PreTrainedModel, "post_init")
@@ -317,7 +324,13 @@ def enabled() -> bool:
 def install(*, shard_tokens: int | None) -> list[str]:
     """Patch the gate/up/down MLP classes imported so far, and discover the rest on models as they are built
     or wrapped (NOTE [MLPs found by structure])."""
-    from transformers import PreTrainedModel
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as exc:
+        raise ImportError(
+            "ddp_patches: apply(tiled_mlp=True) tiles the MLPs of transformers models, and needs transformers "
+            f"(importing it failed: {exc}). Install it (pip install 'ddp_patches[hf]', or transformers>=4.46), or "
+            "leave tiled_mlp off; the other patches need no transformers") from exc
 
     _settings["shard_tokens"] = shard_tokens
     _counts.update(tiled_calls=0, shards=0)

@@ -182,3 +182,59 @@ def test_apply_in_a_launched_process_without_a_group_does_not_import_dynamo():
     env = dict(os.environ, WORLD_SIZE="2")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.stdout.strip() == "False", out.stderr
+
+
+TORCH_ONLY_SCRIPT = """
+import os, sys
+for name in ("transformers", "peft", "trl", "accelerate"):  # a torch-only install: these cannot be imported
+    sys.modules[name] = None
+sys.path.insert(0, os.environ["ROOT"])
+import torch, torch.distributed as dist, torch.utils.checkpoint
+from torch.nn.parallel import DistributedDataParallel as DDP
+import ddp_patches
+if sys.argv[1] == "patched":
+    ddp_patches.apply()
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+reference.load_state_dict(model.state_dict())
+ddp = DDP(model)
+opt, ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+worst = 0.0
+for step in range(3):
+    batches = [torch.randn(3, 4, dtype=torch.double, generator=torch.Generator().manual_seed(100 * step + r))
+               for r in range(world)]
+    checkpointed = torch.utils.checkpoint.checkpoint(ddp, batches[rank], use_reentrant=False)
+    checkpointed.pow(2).mean().backward()  # each rank its own data, through the checkpointing patch
+    reference(torch.cat(batches)).pow(2).mean().backward()  # one process, the global batch
+    worst = max(worst, max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.parameters(), reference.parameters())))
+    opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+dist.destroy_process_group()
+with open(os.path.join(os.environ["OUT"], f"{sys.argv[1]}-{rank}"), "w") as f:
+    f.write(repr(worst))
+"""
+
+
+def test_a_torch_only_process_trains_under_apply(tmp_path):
+    """transformers, peft, trl and accelerate are optional (pyproject's [hf] extra): building and training a DDP
+    under apply() must not need them (tiled_mlp.enabled() imported transformers on every DDP construction)."""
+    from tests.external import run_bounded, torchrun
+    from tests.harness import ROOT
+
+    script = tmp_path / "torch_only.py"
+    script.write_text(TORCH_ONLY_SCRIPT)
+    for mode in ("unpatched", "patched"):
+        out = run_bounded(torchrun(str(script), mode, patched=False), timeout=120,
+                          env={"ROOT": ROOT, "OUT": str(tmp_path)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        worst = [float(f.read_text()) for f in sorted(tmp_path.glob(f"{mode}-*"))]
+        assert len(worst) == 2 and max(worst) < 1e-12, (mode, worst)
+
+
+def test_tiled_mlp_without_transformers_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"apply\(tiled_mlp=True\) .* needs transformers .* leave tiled_mlp off"):
+        ddp_patches.apply(tiled_mlp=True)
+    assert not ddp_patches.is_applied()
