@@ -15,6 +15,7 @@ from . import offload as _offload_patch
 from . import offload_probes as _offload_probes
 from . import probes as _probes
 from . import reducer as _reducer_patch
+from . import teardown as _teardown
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from ._registry import REGISTRY
@@ -131,7 +132,7 @@ def apply(
     if options["reducer"]:
         _reducer_patch.warn_unprotected()
     notes = [] if options["offload"] is False else [versions.offload_unsupported_reason()]
-    notes += [versions.teardown_pause_reason()] if "torch.distributed.destroy_process_group" in installed else []
+    notes += [versions.teardown_pause_reason()] if set(_teardown.TARGETS) <= set(installed) else []
     notes += [_probes.note(patch) for patch in ("checkpointing", "reducer", "no_sync", "teardown", "offload")]
     report = ApplyReport(tuple(installed), options, tuple(n for n in notes if n), _engines.summary())
     _state["report"] = report

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import math
+import sys
 from typing import Callable
 
 import torch
