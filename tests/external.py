@@ -92,16 +92,15 @@ def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None, cwd:
 EXIT_ABORT = "terminate called without an active exception"
 
 
-def aborted_only_at_exit(out: Finished) -> bool:
+def aborted_only_at_exit(out: Finished, *, work_done: bool) -> bool:
     """A torchrun whose only failure is torch's exit-time abort: a gloo worker freeing its last work while the
-    interpreter finalises (NOTE [Groups held by default arguments] in ddp_patches/teardown.py). The rank that
-    aborted had returned from the script (tests/upstream/to_the_end.py printed it), so every collective was done;
-    torchrun then stops the other rank with SIGTERM, possibly before it said so. No rank raised: the one traceback
-    is torchrun's own ChildFailedError. Only unpatched reference runs may end this way: it is the bug the teardown
-    patch removes, not a failure of the upstream test."""
-    return (out.returncode != 0 and "SCRIPT RETURNED on rank" in out.stdout and EXIT_ABORT in out.stderr
-            and "SIGABRT" in out.stderr and out.stderr.count("Traceback (most recent call last)") == 1
-            and "ChildFailedError" in out.stderr)
+    interpreter finalises (NOTE [Groups held by default arguments] in ddp_patches/teardown.py). ``work_done`` is the
+    caller's evidence, read from the run's own output, that the script had finished its work (every step logged,
+    every collective done) before the abort; torchrun then stops the other rank with SIGTERM, possibly before it
+    said so. No rank raised: the one traceback is torchrun's own ChildFailedError. Only unpatched reference runs
+    may end this way: it is the bug the teardown patch removes, not a failure of the code under test."""
+    return (work_done and out.returncode != 0 and EXIT_ABORT in out.stderr and "SIGABRT" in out.stderr
+            and out.stderr.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in out.stderr)
 
 
 def torchrun(script: str, *args: str, patched: bool, nproc: int = 2) -> list[str]:

@@ -211,16 +211,16 @@ for step in range(3):
     reference(torch.cat(batches)).pow(2).mean().backward()  # one process, the global batch
     worst = max(worst, max((p.grad - q.grad).abs().max().item() for p, q in zip(ddp.parameters(), reference.parameters())))
     opt.step(); ref_opt.step(); opt.zero_grad(); ref_opt.zero_grad()
+with open(os.path.join(os.environ["OUT"], f"{sys.argv[1]}-{rank}"), "w") as f:  # before the exit, which can abort
+    f.write(repr(worst))                                                       # unpatched (the teardown bug)
 dist.destroy_process_group()
-with open(os.path.join(os.environ["OUT"], f"{sys.argv[1]}-{rank}"), "w") as f:
-    f.write(repr(worst))
 """
 
 
 def test_a_torch_only_process_trains_under_apply(tmp_path):
     """transformers, peft, trl and accelerate are optional (pyproject's [hf] extra): building and training a DDP
     under apply() must not need them (tiled_mlp.enabled() imported transformers on every DDP construction)."""
-    from tests.external import run_bounded, torchrun
+    from tests.external import aborted_only_at_exit, run_bounded, torchrun
     from tests.harness import ROOT
 
     script = tmp_path / "torch_only.py"
@@ -228,8 +228,13 @@ def test_a_torch_only_process_trains_under_apply(tmp_path):
     for mode in ("unpatched", "patched"):
         out = run_bounded(torchrun(str(script), mode, patched=False), timeout=120,
                           env={"ROOT": ROOT, "OUT": str(tmp_path)})
-        assert out.returncode == 0, out.stderr[-3000:]
         worst = [float(f.read_text()) for f in sorted(tmp_path.glob(f"{mode}-*"))]
+        if mode == "unpatched" and aborted_only_at_exit(out, work_done=bool(worst)):
+            # torch's own exit-time abort, which the teardown patch removes (tests/external.py); a rank torchrun
+            # stopped after its peer aborted may not have written its figure
+            assert worst and max(worst) < 1e-12, (mode, worst)
+            continue
+        assert out.returncode == 0, out.stderr[-3000:]
         assert len(worst) == 2 and max(worst) < 1e-12, (mode, worst)
 
 

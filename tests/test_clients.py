@@ -73,13 +73,14 @@ def test_sft_script_unpatched_reentrant_fails(assets, tmp_path):
 def working_unpatched_losses(assets, tmp_path_factory):
     """The configuration that trains without the library (non-reentrant): its per-step losses.
 
-    Unpatched, this run can hang at exit after saving (NOTE [Reducer outliving its process group]); its output
-    is complete by then, so a hang here is tolerated -- the patched runs below are not allowed one.
+    Unpatched, this run can hang or abort at exit after training (NOTE [Reducer outliving its process group],
+    NOTE [Groups held by default arguments]: "terminate called without an active exception" in CI); its losses
+    are complete by then, so either is tolerated here -- the patched runs below are allowed neither.
     """
     out = sft(assets, str(tmp_path_factory.mktemp("sft_plain")), patched=False, reentrant=False, allow_exit_hang=True)
-    assert out.returncode == 0 or out.hung, out.stderr[-4000:]
     losses = logged_losses(out.stdout)
-    assert len(losses) == 3, out.stdout[-2000:]
+    assert len(losses) == 3, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0 or out.hung or aborted_only_at_exit(out, work_done=True), out.stderr[-4000:]
     return losses
 
 
