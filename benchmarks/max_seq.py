@@ -192,7 +192,7 @@ def run(quick: bool = False, *, options: argparse.Namespace | None = None) -> di
               str(args.threads), "--probe-tokens", str(args.probe_tokens), "--device", args.device]
     script = os.path.abspath(__file__)
     cuda = args.device == "cuda"
-    unpatched = launch_ranks(script, 2, common, threads=args.threads, cuda=cuda)
+    unpatched = launch_ranks(script, 2, common, threads=args.threads, cuda=cuda, without_library=True)
     patched = launch_ranks(script, 2, common + ["--patched"], threads=args.threads, cuda=cuda)
     ratio = patched["max_seq"] / unpatched["max_seq"] if unpatched["max_seq"] else None
     return {

@@ -10,6 +10,7 @@ import tempfile
 import time
 import uuid
 
+from benchmarks._common import EXIT_ABORT, aborted_only_at_exit as _exit_abort  # noqa: F401 (EXIT_ABORT re-exported)
 from tests.harness import ROOT, _free_port
 
 RUNNER = [sys.executable, "-m", "ddp_patches.autoapply"]  # what the ddp-patches-run console script runs
@@ -63,7 +64,9 @@ def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None, cwd:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_PATCHES_")}
     full_env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
                      "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                     "PYTHONPATH": ROOT, _MARK: mark})
+                     "PYTHONPATH": ROOT, _MARK: mark,
+                     # a rank torchrun stops with SIGTERM would lose what it had buffered, a logged loss included
+                     "PYTHONUNBUFFERED": "1"})
     full_env.update(env or {})
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         # Files, not pipes: an orphaned rank holding a pipe would block the reader past any timeout.
@@ -89,18 +92,13 @@ def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None, cwd:
     return result
 
 
-EXIT_ABORT = "terminate called without an active exception"
-
-
 def aborted_only_at_exit(out: Finished, *, work_done: bool) -> bool:
-    """A torchrun whose only failure is torch's exit-time abort: a gloo worker freeing its last work while the
-    interpreter finalises (NOTE [Groups held by default arguments] in ddp_patches/teardown.py). ``work_done`` is the
-    caller's evidence, read from the run's own output, that the script had finished its work (every step logged,
-    every collective done) before the abort; torchrun then stops the other rank with SIGTERM, possibly before it
-    said so. No rank raised: the one traceback is torchrun's own ChildFailedError. Only unpatched reference runs
-    may end this way: it is the bug the teardown patch removes, not a failure of the code under test."""
-    return (work_done and out.returncode != 0 and EXIT_ABORT in out.stderr and "SIGABRT" in out.stderr
-            and out.stderr.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in out.stderr)
+    """Whether an unpatched reference run failed only through torch's exit-time abort
+    (benchmarks._common.aborted_only_at_exit). ``work_done`` is the caller's evidence, read from the run's own
+    output, that the script had finished its work (every step logged, every collective done) before the abort;
+    torchrun then stops the other rank with SIGTERM, possibly before it said so. Only unpatched reference runs may
+    end this way: it is the bug the teardown patch removes, not a failure of the code under test."""
+    return work_done and _exit_abort(out.returncode, out.stdout + out.stderr)
 
 
 def torchrun(script: str, *args: str, patched: bool, nproc: int = 2) -> list[str]:

@@ -99,3 +99,26 @@ def test_max_seq_smoke_finds_a_length_on_each_side(tmp_path):
     assert report["unpatched"]["max_seq"] > 0 and report["patched"]["max_seq"] > 0
     assert report["patched"]["tiled_calls"] > 0  # the patched side really tiled
     assert set(report["unpatched"]["parts_per_token"]) >= {"checkpoint_inputs", "mlp_one_layer", "attention_one_layer"}
+
+
+# What torchrun printed when a rank of an unpatched TRL sft.py run aborted at exit in CI (stop 24), shortened.
+EXIT_ABORT_OUTPUT = """100%|##########| 3/3 [00:00<00:00,  5.33it/s]
+terminate called without an active exception
+W1123 19:34:10.267000 29749 api.py:1028] Sending process 29751 closing signal SIGTERM
+E1123 19:34:10.299000 29749 api.py:1002] failed (exitcode: -6) local_rank: 1 (pid: 29752)
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+  exitcode  : -6 (pid: 29752)  (SIGABRT)
+"""
+
+
+def test_an_exit_abort_is_told_apart_from_a_failing_rank():
+    """benchmarks._common.aborted_only_at_exit, which launch_ranks and tests/external.py allow to runs without the
+    library only: torch's exit-time abort, and nothing else."""
+    from benchmarks._common import aborted_only_at_exit
+
+    assert aborted_only_at_exit(1, EXIT_ABORT_OUTPUT)
+    assert not aborted_only_at_exit(0, EXIT_ABORT_OUTPUT)  # nothing failed
+    rank_raised = "Traceback (most recent call last):\nRuntimeError: marked as ready twice\n" + EXIT_ABORT_OUTPUT
+    assert not aborted_only_at_exit(1, rank_raised)  # a rank's own traceback: a real failure
+    assert not aborted_only_at_exit(1, EXIT_ABORT_OUTPUT.replace("SIGABRT", "SIGSEGV"))

@@ -122,7 +122,7 @@ def test_destroyed_default_group_is_freed_not_kept_by_default_arguments(tmp_path
     """NOTE [Groups held by default arguments]: unpatched, torch.distributed.nn.functional's ``group=group.WORLD``
     defaults keep the destroyed group and its gloo threads alive until interpreter exit, where a worker can abort
     the process (seen in TRL's sft.py); patched, the group is freed inside destroy_process_group."""
-    from tests.external import run_bounded, torchrun
+    from tests.external import aborted_only_at_exit, run_bounded, torchrun
     from tests.harness import ROOT
 
     script = tmp_path / "group_freed.py"
@@ -131,11 +131,12 @@ def test_destroyed_default_group_is_freed_not_kept_by_default_arguments(tmp_path
     for mode in ("unpatched", "patched"):
         out = run_bounded(torchrun(str(script), mode, patched=False), timeout=120,
                           env={"ROOT": ROOT, "OUT": str(tmp_path)})
-        # Unpatched, the exit itself can abort (the bug: "terminate called without an active exception", exit -6
-        # in 3 of 20 runs of this script here, 0 of 20 patched); patched, it must not.
-        assert out.returncode == 0 or mode == "unpatched", out.stdout[-1000:] + out.stderr[-3000:]
         # (a rank torchrun stopped after its peer aborted may not have written its count)
         left[mode] = [int(f.read_text()) for f in sorted(tmp_path.glob(f"{mode}-*"))]
+        # Unpatched, the exit itself can abort (the bug: "terminate called without an active exception", exit -6
+        # in 3 of 20 runs of this script here, 0 of 20 patched); patched, it must not.
+        assert out.returncode == 0 or (mode == "unpatched" and aborted_only_at_exit(out, work_done=bool(left[mode]))), \
+            out.stdout[-1000:] + out.stderr[-3000:]
     assert left["patched"] == [0, 0], left
     assert left["unpatched"] and all(threads > 0 for threads in left["unpatched"]), left
 
