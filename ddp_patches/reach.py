@@ -34,8 +34,35 @@
 # After the reducer has written its averages (a second callback, queued behind DDP's own finalize), one small
 # all-reduce over the DDP's process group counts, per parameter, the ranks on which it had no gradient before
 # ``_settle`` fired it. A parameter that no rank used gets ``.grad = None``, as with find_unused_parameters=True
-# and as in a single process, so AdamW's weight decay and momentum leave it alone. One all-reduce of one float per
-# trainable parameter per synced step (benchmarks/ddp_overhead.py measures it).
+# and as in a single process, so AdamW's weight decay and momentum leave it alone. NOTE [One collective per
+# reduction, on every rank] says when it runs; its cost is one all-reduce of one float per trainable parameter
+# per synced step (benchmarks/ddp_overhead.py measures it).
+#
+# NOTE [One collective per reduction, on every rank]
+# A collective that one rank issues and another does not pairs with the wrong call on the other side: a hang, a
+# gloo size error, or with NCCL, buffers of equal size mixed silently. So the count-all-reduce follows exactly the
+# collectives DDP itself issues for a backward, and nothing else:
+#   * It runs once per reduction of the reducer, i.e. once per synced backward that accumulates into the DDP's
+#     parameters after a forward with grad enabled (the forward that makes DDP call prepare_for_backward). The
+#     trigger is the FIRST of two events in that backward's graph task: ``_BackwardStart`` (a backward through
+#     the outputs) or the post-hook of any of the DDP's AccumulateGrad nodes (a backward that reaches the
+#     parameters but not the outputs: ``sum(p.sum() for p in params) * 0``, the "keep every hook firing" idiom
+#     of detection and MoE code). DDP reduces in both, so both settle. One settle per forward: the forward arms
+#     it, the first trigger disarms it.
+#   * Whether it runs is decided, like DDP's own bucket all-reduces, by ``require_backward_grad_sync`` at the
+#     end of the backward, and by settings that are equal on every rank (``needed``); not by what this rank's
+#     data did. A rank that used every parameter still joins it (with zeros).
+#   * Under ``Join`` (uneven inputs), a rank that ran out of data shadows DDP's collectives through DDP's join
+#     hook (``_DDPJoinHook.main_hook``: the bucket all-reduces of each backward its peers run). The library wraps
+#     that hook (``_JoinShadow``): right after DDP's own shadowing, and only when the peers synchronise this
+#     backward, the joined rank issues the same count-all-reduce with "no gradient here" for every parameter.
+#     So the sequence on every rank is: DDP's forward collectives, DDP's bucket all-reduces, ours; next iteration.
+#   * Comm hooks, static graph and ``no_sync`` change what DDP sends or when, not whether a reduction happens;
+#     ours is issued after DDP's finalize on the DDP's own process group, so it follows them.
+# No host synchronisation is added where this rank used every parameter: the reduced counts are read on the host
+# only by a rank that had a parameter without a gradient (only there can a parameter turn out unused
+# everywhere). That read waits for the device (DDP's own find_unused_parameters=True reads its used-map every
+# step the same way); a step where every rank used every parameter reads nothing back.
 """
 
 from __future__ import annotations
@@ -48,6 +75,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.distributed.algorithms.join import JoinHook
 from torch.utils import _pytree as pytree
 
 from . import engines, probes
@@ -120,6 +148,7 @@ class UnusedParameterEdges:
         self._node_hooks: list[Any] = []
         self._nodes: list[Any] = []  # the parameters' AccumulateGrad nodes
         self._active = False
+        self._armed: weakref.ref | None = None  # the DDP whose forward awaits its settle (NOTE [One collective...])
         self._retired = False
         self.attached_last = 0  # parameters fired by the last settle (tests, the doctor)
         self._settling_task = -1  # the graph task whose end settles (one settle per backward)
@@ -128,7 +157,7 @@ class UnusedParameterEdges:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
         # the parameter list and watches its own nodes again at its first forward.
         state = dict(self.__dict__)
-        state.update(_fired=set(), _node_hooks=[], _nodes=[], _active=False, _settling_task=-1)
+        state.update(_fired=set(), _node_hooks=[], _nodes=[], _active=False, _armed=None, _settling_task=-1)
         return state
 
     def install(self, ddp: nn.Module) -> None:
@@ -148,7 +177,7 @@ class UnusedParameterEdges:
         for i, p in enumerate(self._params):
             node = get_gradient_edge(p).node  # the node DDP's reducer holds and hooks
             self._nodes.append(node)
-            handle = node.register_hook(_Recorder(self._fired, i))
+            handle = node.register_hook(_Recorder(self, i))
             self._node_hooks.append(handle)
             REGISTRY.add_instance_handle(handle)
 
@@ -164,6 +193,7 @@ class UnusedParameterEdges:
             if not self._node_hooks:
                 self._watch_nodes()
             self._fired.clear()
+            self._armed = weakref.ref(ddp)  # DDP prepares its reducer in this forward: one settle will follow
 
     def _attach(self, ddp, args, output):
         if not self._active:
@@ -172,16 +202,34 @@ class UnusedParameterEdges:
         return map_tensors(output, _is_graph_output, lambda ts: _BackwardStart.apply(self, ddp, *ts))
 
     def backward_started(self, ddp: nn.Module) -> None:
+        """A backward through the outputs began (``_BackwardStart``)."""
         # Two forwards of one DDP feeding one loss (a GAN's discriminator on real and fake data, a multi-task loss)
         # start this twice in one graph task: settle once, or the second settle sees an empty record and fires
         # every hook again ("marked as ready twice").
-        task = torch._C._current_graph_task_id()
-        if task == self._settling_task:
+        if self._armed is None or torch._C._current_graph_task_id() == self._settling_task:
             return
         if not _accumulates_into(self._nodes):
             return  # NOTE [Only a backward that accumulates]
-        self._settling_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(ddp))
+        self._queue_settle(ddp)
+
+    def parameter_accumulated(self, index: int) -> None:
+        """A post-hook of parameter ``index``'s AccumulateGrad ran: the reducer saw its hook in this backward.
+        The first one of a backward that did not pass the outputs settles it (NOTE [One collective per
+        reduction, on every rank])."""
+        self._fired.add(index)
+        if self._armed is not None:
+            ddp = self._armed()
+            if ddp is not None:
+                self._queue_settle(ddp)
+
+    def _queue_settle(self, ddp: nn.Module) -> None:
+        self._armed = None
+        task = torch._C._current_graph_task_id()
+        # A forward re-run inside this backward (a checkpoint's recompute of the whole DDP) armed again: this
+        # backward still settles once.
+        if task != self._settling_task:
+            self._settling_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(ddp))
 
     def _settle(self, ddp: nn.Module) -> None:
         fired = set(self._fired)
@@ -203,15 +251,29 @@ class UnusedParameterEdges:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._reset_unused_everywhere(ddp, no_grad))
 
     def _reset_unused_everywhere(self, ddp: nn.Module, no_grad: list[int]) -> None:
-        """NOTE [Unused everywhere ends with grad None]."""
+        """NOTE [Unused everywhere ends with grad None]; read back only where this rank had a parameter without
+        a gradient (NOTE [One collective per reduction, on every rank])."""
         counts = torch.zeros(len(self._params), dtype=torch.float32, device=self._params[0].device)
         if no_grad:
             counts[torch.tensor(no_grad, device=counts.device)] = 1.0
         group = getattr(ddp, "process_group", None)
         torch.distributed.all_reduce(counts, group=group)
+        if not no_grad:
+            return  # every parameter had a gradient here, so none is unused everywhere: nothing to read back
         world = torch.distributed.get_world_size(group)
-        for i in (counts == world).nonzero().flatten().tolist():
-            self._params[i].grad = None
+        unused_everywhere = (counts[no_grad] == world).tolist()
+        for i, unused in zip(no_grad, unused_everywhere):
+            if unused:
+                self._params[i].grad = None
+
+    def settles(self, ddp: nn.Module) -> bool:
+        """Whether a synced backward of ``ddp`` ends with the count-all-reduce: settings equal on every rank."""
+        return bool(self._params) and not self._retired and needed(ddp) and not engines.compiling()
+
+    def shadow_in_join(self, ddp: nn.Module) -> None:
+        """On a rank that joined: the count-all-reduce its peers issue, with "no gradient here" everywhere."""
+        counts = torch.ones(len(self._params), dtype=torch.float32, device=self._params[0].device)
+        torch.distributed.all_reduce(counts, group=getattr(ddp, "process_group", None))
 
 
 # NOTE [Only a backward that accumulates]
@@ -230,15 +292,51 @@ def _accumulates_into(nodes: list) -> bool:
 
 
 class _Recorder:
-    """AccumulateGrad post-hook: remember that parameter ``index`` ran (any graph task, nested included)."""
+    """AccumulateGrad post-hook: parameter ``index`` ran (any graph task, nested included)."""
 
-    __slots__ = ("fired", "index")
+    __slots__ = ("edges", "index")
 
-    def __init__(self, fired: set[int], index: int) -> None:
-        self.fired, self.index = fired, index
+    def __init__(self, edges: UnusedParameterEdges, index: int) -> None:
+        self.edges, self.index = weakref.proxy(edges), index  # the node must not keep a retired DDP's edges alive
 
     def __call__(self, grad_inputs, grad_outputs) -> None:
-        self.fired.add(self.index)
+        try:
+            self.edges.parameter_accumulated(self.index)
+        except ReferenceError:  # edges gone with their DDP; the hook is removed with them soon
+            pass
+
+
+class _JoinShadow(JoinHook):
+    """DDP's join hook, followed by the count-all-reduce its peers issue (NOTE [One collective per reduction, on
+    every rank])."""
+
+    def __init__(self, inner: JoinHook, ddp: nn.Module, edges: UnusedParameterEdges) -> None:
+        self.inner, self.ddp, self.edges = inner, ddp, edges
+
+    def main_hook(self) -> None:
+        self.inner.main_hook()
+        # DDP's main_hook has just learnt from the peers' forward whether they synchronise this backward.
+        if self.ddp.require_forward_param_sync and self.edges.settles(self.ddp):
+            self.edges.shadow_in_join(self.ddp)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.inner.post_hook(is_last_joiner)
+
+
+def _patched_join_hook(original_join_hook):
+    def join_hook(self, **kwargs):
+        hook = original_join_hook(self, **kwargs)
+        edges = for_ddp(self)
+        return hook if edges is None else _JoinShadow(hook, self, edges)
+
+    return join_hook
+
+
+def patch_join_hook() -> None:
+    """``DistributedDataParallel.join_hook`` also shadows the count-all-reduce on a joined rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    REGISTRY.install(DistributedDataParallel, "join_hook", _patched_join_hook)
 
 
 def _is_graph_output(t: Any) -> bool:
@@ -353,7 +451,19 @@ def _check_autograd_hooks() -> None:
            "a hook fired with no gradient wrote one")
 
 
+def _check_join_hook() -> None:
+    """DDP's join hook shadows a backward's bucket all-reduces in ``main_hook`` and records there whether the
+    peers synchronise it (what ``_JoinShadow`` reads)."""
+    from torch.nn.parallel import distributed
+
+    probes.source_mentions(distributed, "def join_hook", "class _DDPJoinHook", "def main_hook",
+                           "require_forward_param_sync = should_sync_backwards")
+
+
 ASSUMPTIONS = (
+    probes.Assumption("join-hook", "DistributedDataParallel.join_hook returns a JoinHook whose main_hook sets "
+                      "require_forward_param_sync (NOTE [One collective per reduction, on every rank])",
+                      _check_join_hook),
     probes.Assumption("autograd-hooks", "AccumulateGrad post-hooks, torch._C._current_graph_task_id, "
                       "torch._C._will_engine_execute_node and final callbacks queued from a backward run as NOTE "
                       "[Unused parameters without find_unused_parameters] describes", _check_autograd_hooks),

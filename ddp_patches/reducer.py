@@ -202,7 +202,8 @@ def install() -> list[str]:
                          "trainable-set check, no static-graph first sync)"):
         return []
     _patch_ddp_init()
-    targets = [TARGETS[0]]
+    reach.patch_join_hook()
+    targets = [TARGETS[0], "DistributedDataParallel.join_hook"]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()
