@@ -9,6 +9,8 @@ pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``).
    first and the second optimizer step of a DDP's parameters and then before every ``replica_check_every``-th,
    each rank compares a fingerprint of its trainable parameters with rank 0's; a rank that differs logs one ERROR
    naming the first differing parameter, itself and rank 0, and by how much (or raises ``ReplicaDivergenceError``).
+   It runs only for a DDP whose communication hook keeps the replicas equal (NOTE [Replica check only where DDP
+   promises equal replicas]): under post-local SGD, or any hook the library cannot vouch for, it steps aside.
 
 Both act only for DistributedDataParallel instances built under apply() in a distributed process (NOTE
 [Engines]: FSDP2 and DeepSpeed build no DDP, so nothing is tracked there; a DDP that runs DDP's Python reducer for
@@ -104,6 +106,7 @@ class _Tracked:
     publisher: int = 0  # global rank of the DDP group's rank 0
     key_prefix: str = ""  # where its fingerprints go in the rendezvous store
     group_ranks: tuple[int, ...] = ()
+    hook_keeps_equal: bool | None = None  # None until a comm hook is seen (NOTE [Replica check only where ...])
 
 
 _counter = itertools.count()  # never reset: one index per tracked DDP for the life of the process
@@ -284,8 +287,137 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
     for tracked in touched.values():
         tracked.steps += 1
         due = tracked.steps <= 2 or tracked.steps % every == 0 if every else False
-        if due and not tracked.no_store:
+        if due and not tracked.no_store and _replicas_promised_equal(tracked):
             check_replicas(tracked)
+
+
+# NOTE [Replica check only where DDP promises equal replicas]
+# DDP keeps its replicas equal because every rank applies the same averaged gradient: its own all-reduce, or a
+# communication hook that hands every rank the same result. A hook may keep them apart on purpose: post-local SGD
+# (``post_localSGD_hook``) averages gradients only within a subgroup, or not at all, after ``start_localSGD_iter``,
+# and a model averager (``PeriodicModelAverager``, ``HierarchicalModelAverager``, usually behind
+# ``PostLocalSGDOptimizer``) brings the replicas together only every ``period`` steps. Between those steps they differ
+# by design; comparing them is a false ERROR, and with on_unsynced="raise" a crash of a run that trains fine without
+# the library. So a DDP's replicas are checked only while its hook is one the library vouches for:
+#   * none (DDP's all-reduce), or the C++ built-ins ALLREDUCE and FP16_COMPRESS;
+#   * ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, and ``fp16_compress_wrapper`` /
+#     ``bf16_compress_wrapper`` around a vouched hook: an all-reduce, then the same cast on every rank;
+#   * ``powerSGD_hook``: P and Q are all-reduced and every rank computes the same P Q^T from them; the error
+#     feedback is per rank but is only carried into that rank's next input, never applied (measured: bit-equal
+#     replicas at every step, tests/test_guard_local_sgd.py). Not ``batched_powerSGD_hook``: the same design, but
+#     in torch 2.13 it fails inside itself (``_orthogonalize`` is handed a 2-D matrix), so nothing could be measured;
+#   * the hooks DDP registers itself, over its own group, for ``mixed_precision`` and for optimizers applied in
+#     backward (the check ran under them before; they are DDP's all-reduce plus a cast or an in-place step);
+# and, for a hook handed a process group, only when that group holds every rank of the DDP's group (the same average
+# reaches all of them). Any other hook -- ``post_localSGD_hook``, the debugging ``noop_hook``, the quantization hooks,
+# a user's own -- may keep the replicas apart, so the check steps aside for that DDP and says so in one WARNING on
+# rank 0. The user did nothing wrong, but a protection that is on by default (or was asked for with "raise") is off
+# for that model, and a real drift there would go unreported: that is worth a WARNING, as the compile step-aside is.
+# The unsynchronised-gradient guard stays on: the forwards still go through the wrapper.
+#
+# The hook decides, not the averager: averaging equal replicas leaves them equal on every rank (one all-reduce
+# result), so with a vouched hook the check stays valid under an averager (tested); and only a hook that keeps
+# gradients local gives an averager something to bring together. So nothing is patched: DDP records the hook it was
+# given (``ddp._comm_hooks``; a C++ built-in only by name, in its logging data), read at the first check that finds
+# one (DDP takes a single hook, before its first backward). ``PostLocalSGDOptimizer`` could not be seen from here
+# anyway: it never calls ``Optimizer.__init__``, so only its inner optimizer runs the step hooks. Hooks are matched by
+# module and qualified name, not identity: nothing needs importing, and a torch that moves or renames one fails safe
+# (not vouched: the check steps aside).
+_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks."
+_BUILTIN_HOOKS = ("BuiltinCommHookType.ALLREDUCE", "BuiltinCommHookType.FP16_COMPRESS")
+# hook -> where it takes its process group from: its state ("state"), the state's process_group ("process_group"),
+# or the DDP itself ("ddp": DDP registered it)
+_VOUCHED_HOOKS = {
+    _HOOKS + "default_hooks.allreduce_hook": "state",
+    _HOOKS + "default_hooks.fp16_compress_hook": "state",
+    _HOOKS + "default_hooks.bf16_compress_hook": "state",
+    _HOOKS + "powerSGD_hook.powerSGD_hook": "process_group",
+    _HOOKS + "mixed_precision_hooks._reducer_allreduce_and_upcast_hook": "ddp",
+    _HOOKS + "optimizer_overlap_hooks._apply_optim_in_backward_hook.<locals>.apply_optim_in_backward_hook": "ddp",
+}
+_VOUCHED_WRAPPERS = (_HOOKS + "default_hooks.fp16_compress_wrapper.<locals>.fp16_compress_wrapper_hook",
+                     _HOOKS + "default_hooks.bf16_compress_wrapper.<locals>.bf16_compress_wrapper_hook")
+
+
+def _replicas_promised_equal(tracked: _Tracked) -> bool:
+    """Whether this DDP's communication hook keeps its replicas equal; the first time it does not, one WARNING."""
+    if tracked.hook_keeps_equal is not None:
+        return tracked.hook_keeps_equal
+    ddp = tracked.ddp()
+    if ddp is None:
+        return True
+    hook = _registered_hook(ddp)
+    if hook is None:
+        return True  # DDP's own all-reduce so far; asked again at the next check
+    fn, state = hook
+    tracked.hook_keeps_equal = fn in _BUILTIN_HOOKS if isinstance(fn, str) else _vouched(fn, state, tracked.group_ranks)
+    if not tracked.hook_keeps_equal:
+        log_rank0_once(
+            f"guard-hook-aside-{tracked.index}", logging.WARNING,
+            "ddp_patches: the replica check steps aside for %s: its communication hook %s does not promise equal "
+            "replicas (post-local SGD and model averaging keep them apart between averaging steps by design; the "
+            "check vouches only for DDP's all-reduce, the fp16/bf16 compress hooks and PowerSGD), so it compares "
+            "nothing for this model; the unsynchronised-gradient guard stays on (NOTE [Replica check only where DDP "
+            "promises equal replicas] in ddp_patches/guard.py)", tracked.label, _hook_name(fn).removeprefix(_HOOKS))
+    return tracked.hook_keeps_equal
+
+
+def _registered_hook(ddp: DDP) -> tuple[Any, Any] | None:
+    """(hook, state) of the Python hook DDP was given, (name, None) for a C++ built-in, None for none yet."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks:
+        return hooks[-1]
+    try:  # a built-in is kept by the reducer; DDP's logging data has its name
+        name = ddp._get_ddp_logging_data().get("comm_hook")
+    except (RuntimeError, AttributeError):
+        return None
+    return (name, None) if name else None
+
+
+def _vouched(fn: Any, state: Any, ranks: tuple[int, ...]) -> bool:
+    fn = _unwrap_partial(fn)
+    name = _hook_name(fn)
+    if name in _VOUCHED_WRAPPERS:  # a cast around another hook: vouched when that one is
+        inner = _closure_cell(fn, "hook")
+        return inner is not None and _vouched(inner, state, ranks)
+    source = _VOUCHED_HOOKS.get(name)
+    if source is None:
+        return False
+    if source == "ddp":
+        return True
+    group = state if source == "state" else getattr(state, "process_group", None)
+    return _covers(group, ranks)
+
+
+def _covers(group: Any, ranks: tuple[int, ...]) -> bool:
+    """The hook's group (None: the default group) holds every rank of the DDP's group."""
+    if group is None:
+        return True
+    try:
+        return set(ranks) <= set(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, TypeError, AttributeError):  # not a process group: cannot vouch
+        return False
+
+
+def _unwrap_partial(fn: Any) -> Any:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def _closure_cell(fn: Any, name: str) -> Any:
+    code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or closure is None or name not in code.co_freevars:
+        return None
+    return closure[code.co_freevars.index(name)].cell_contents
+
+
+def _hook_name(fn: Any) -> str:
+    """'module.qualname' of a hook function, through functools.partial (a C++ built-in: its name)."""
+    if isinstance(fn, str):
+        return fn
+    fn = _unwrap_partial(fn)
+    return f"{getattr(fn, '__module__', None)}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
 
 
 def _report_unsynced(tracked: _Tracked, name: str) -> None:

@@ -1,0 +1,176 @@
+"""The replica check (ddp_patches/guard.py) under DDP communication hooks, on 2 gloo ranks fed different data.
+
+Post-local SGD (``post_localSGD_hook`` over per-rank subgroups + ``PostLocalSGDOptimizer`` with a
+``PeriodicModelAverager`` or ``HierarchicalModelAverager``) keeps the replicas apart between averaging steps by
+design: with the library it must train exactly as without it, with no "drifted apart" ERROR (and no
+``ReplicaDivergenceError`` with on_unsynced="raise"), and the check says once, on rank 0, that it stepped aside. The
+hooks that keep replicas equal (DDP's all-reduce, fp16 compress and its wrapper, PowerSGD) keep the check on: it
+compares bit for bit at every step there, stays silent, and still catches a real drift (NOTE [Replica check only
+where DDP promises equal replicas])."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import ddp_patches
+from ddp_patches import guard
+from tests.test_guard import DIVERGED, _batch, _Capture, _in_sync, _mlp
+
+ASIDE = "the replica check steps aside"
+STEPS = 6
+
+
+def _flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
+
+
+# -- rank functions ----------------------------------------------------------------------------------------------
+def local_sgd(library: str | None, scheme: str = "periodic", steps: int = STEPS) -> dict:
+    """Post-local SGD as torch documents it: global all-reduce for the first 2 backwards, then each rank alone (a
+    subgroup of size 1 per rank); parameters averaged every 2 steps after 2 warm-up steps. ``library``: None
+    (unpatched), or the guard's on_unsynced ("warn", "raise") with a replica check before every step. ``scheme``:
+    "periodic", "hierarchical" (HierarchicalModelAverager), "noop-hook" (torch's debugging noop_hook, no gradient
+    communication at all, + PeriodicModelAverager: a hook the library cannot vouch for), or "allreduce-subgroup"
+    (torch's allreduce_hook handed the per-rank subgroup, + PeriodicModelAverager: local SGD by a vouched hook over
+    a group that does not hold the DDP's ranks)."""
+    from collections import OrderedDict
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, error, snapshots = dist.get_rank(), None, []
+    subgroup, _ = dist.new_subgroups(group_size=1)  # collective: every rank, every run
+    checked = ddp_patches.patched(on_unsynced=library, replica_check_every=1) if library else contextlib.nullcontext()
+    with checked, _Capture() as cap:
+        torch.manual_seed(0)
+        ddp = DDP(_mlp())
+        if scheme == "noop-hook":
+            ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+        elif scheme == "allreduce-subgroup":
+            ddp.register_comm_hook(subgroup, default_hooks.allreduce_hook)
+        else:
+            state = PostLocalSGDState(process_group=None, subgroup=subgroup, start_localSGD_iter=2)
+            ddp.register_comm_hook(state, post_localSGD_hook)
+        if scheme == "hierarchical":  # each rank alone every 2 steps (a no-op here), both every 4
+            averager = HierarchicalModelAverager(OrderedDict([(2, 1), (4, 2)]), warmup_steps=2)
+        else:
+            averager = PeriodicModelAverager(period=2, warmup_steps=2)
+        opt = PostLocalSGDOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), averager)
+        try:
+            for it in range(steps):
+                cap.step = it + 1
+                ddp(_batch(rank, it)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                snapshots.append(_flat(ddp.module))
+        except guard.ReplicaDivergenceError as exc:
+            error = str(exc)
+    return {"snapshots": snapshots, "all": cap.records, "error": error, "diverged": cap.lines(DIVERGED),
+            "aside": cap.lines(ASIDE)}
+
+
+def _register(ddp, hook: str):
+    """Register one of the hooks the check vouches for; the PowerSGD state (or None)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "fp16-wrapper":
+        ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook))
+    elif hook == "builtin-fp16":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    elif hook == "powerSGD":
+        # Compression from the third backward on (the minimum with error feedback and warm start, both on)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    elif hook != "default+averager":
+        raise ValueError(hook)
+    return None
+
+
+def vouched_hook(hook: str, on_unsynced: str = "raise", perturb_before: int | None = None) -> dict:
+    """Train through the wrapper with ``hook`` and a replica check (bit for bit) before every step; with
+    ``perturb_before``, rank 1 adds 1e-4 to one element of ``2.bias`` just before that step.
+    "default+averager": no hook, a PostLocalSGDOptimizer + PeriodicModelAverager (the averager alone is no reason to
+    step aside)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    with ddp_patches.patched(on_unsynced=on_unsynced, replica_check_every=1), _Capture() as cap:
+        torch.manual_seed(0)
+        ddp = DDP(_mlp())
+        state = _register(ddp, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        if hook == "default+averager":
+            opt = PostLocalSGDOptimizer(opt, PeriodicModelAverager(period=2, warmup_steps=1))
+        for it in range(STEPS):
+            cap.step = it + 1
+            ddp(_batch(rank, it)).pow(2).mean().backward()
+            if cap.step == perturb_before and rank == 1:
+                with torch.no_grad():
+                    ddp.module[2].bias[0] += 1e-4
+            opt.step()
+            opt.zero_grad()
+        in_sync = _in_sync(ddp.module)
+    compressed = state is not None and state.compression_stats()[2] < state.compression_stats()[1]
+    return {"all": cap.records, "diverged": cap.lines(DIVERGED), "in_sync": in_sync, "compressed": compressed}
+
+
+# -- tests: post-local SGD -------------------------------------------------------------------------------------
+def _drift_steps(rank0: dict, rank1: dict) -> list[int]:
+    """The steps after which the two ranks' parameters differed."""
+    return [i + 1 for i, (a, b) in enumerate(zip(rank0["snapshots"], rank1["snapshots"])) if not torch.equal(a, b)]
+
+
+@pytest.mark.parametrize("scheme", ["periodic", "hierarchical", "noop-hook", "allreduce-subgroup"])
+@pytest.mark.parametrize("library", ["warn", "raise"])
+def test_local_sgd_trains_as_without_the_library_and_the_check_steps_aside(pool, scheme, library):
+    unpatched = pool.run(local_sgd, library=None, scheme=scheme, timeout=60)
+    # Local SGD is at work: the replicas differ after some steps, by design (and agree after an averaging step)
+    drift = _drift_steps(*unpatched)
+    assert drift and drift != list(range(1, STEPS + 1)), drift
+    patched = pool.run(local_sgd, library=library, scheme=scheme, timeout=60)
+    for rank, (before, after) in enumerate(zip(unpatched, patched)):
+        assert after["error"] is None and after["diverged"] == [], after["all"]  # no false alarm, no crash
+        assert len(after["snapshots"]) == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(before["snapshots"], after["snapshots"]))  # bit-equal, each step
+        assert before["all"] == []
+    rank0, rank1 = patched
+    assert rank1["all"] == [] and len(rank0["all"]) == 1, (rank0["all"], rank1["all"])  # one line, on rank 0
+    step, level, message = rank0["aside"][0]
+    assert step == 1 and level == "WARNING" and "DistributedDataParallel(Sequential)" in message
+    hook = {"noop-hook": "noop_hook", "allreduce-subgroup": "allreduce_hook"}.get(scheme, "post_localSGD_hook")
+    assert hook in message and "unsynchronised-gradient guard stays on" in message
+
+
+# -- tests: the hooks that keep the replicas equal keep the check ------------------------------------------------
+@pytest.mark.parametrize("hook", ["default+averager", "fp16", "fp16-wrapper", "builtin-fp16", "powerSGD"])
+def test_hooks_that_keep_replicas_equal_keep_the_check_and_it_stays_silent(pool, hook):
+    """A check before every step compares the fingerprints bit for bit: silence means bit-equal replicas at every
+    step (for PowerSGD: measured, with compression and error feedback on from the third step)."""
+    for r in pool.run(vouched_hook, hook=hook, timeout=60):
+        assert r["all"] == [] and r["in_sync"], r["all"]
+        assert r["compressed"] == (hook == "powerSGD")
+
+
+@pytest.mark.parametrize("hook", ["powerSGD", "fp16-wrapper"])
+def test_a_real_drift_under_a_vouched_hook_is_still_caught(pool, hook):
+    rank0, rank1 = pool.run(vouched_hook, hook=hook, on_unsynced="warn", perturb_before=4, timeout=60)
+    assert rank0["all"] == []  # rank 0 publishes, never compares
+    assert [s for s, _, _ in rank1["diverged"]] == [4, 5, 6], rank1["all"]  # at once, and at each check after
+    step, level, message = rank1["diverged"][0]
+    assert level == "ERROR" and "'2.bias'" in message and not rank1["in_sync"]
+    assert not any(ASIDE in m for _, _, m in rank1["all"] + rank0["all"])
