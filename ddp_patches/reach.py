@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -83,6 +84,7 @@ from ._registry import REGISTRY
 from .distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
+_SETTLE_LOCK = threading.Lock()
 
 
 class _BackwardStart(torch.autograd.Function):
@@ -223,13 +225,16 @@ class UnusedParameterEdges:
                 self._queue_settle(ddp)
 
     def _queue_settle(self, ddp: nn.Module) -> None:
-        self._armed = None
         task = torch._C._current_graph_task_id()
+        # Hooks of parameters on different devices run on different autograd threads: decide once, under a lock.
         # A forward re-run inside this backward (a checkpoint's recompute of the whole DDP) armed again: this
         # backward still settles once.
-        if task != self._settling_task:
+        with _SETTLE_LOCK:
+            self._armed = None
+            if task == self._settling_task:
+                return
             self._settling_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(ddp))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(ddp))
 
     def _settle(self, ddp: nn.Module) -> None:
         fired = set(self._fired)
