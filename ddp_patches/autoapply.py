@@ -3,10 +3,12 @@
 In the style of ``opentelemetry-instrument`` and ``ddtrace-run``: the command runs with ``ddp_patches/_bootstrap``
 first on PYTHONPATH and its options in ``DDP_PATCHES_*`` environment variables. Python imports the
 ``sitecustomize`` found there at start-up in every process the command starts (torchrun's and
-``accelerate launch``'s ranks, the ``trl`` CLI, dataloader workers); it then imports the user's own
-``sitecustomize``, if one is further on the path, so nothing of theirs is hidden. apply() itself runs when the
-process first imports torch (NOTE [Apply when torch is imported]), so a Python process that never uses torch
-pays nothing. This module imports only the standard library at module level, for the same reason.
+``accelerate launch``'s ranks, the ``trl`` CLI, dataloader workers); it then imports the ``sitecustomize`` it
+shadows (the user's, or the system's), if one is further on the path, so nothing of theirs is hidden -- also in a
+process of another interpreter, without ddp_patches, where the hook itself is silent and inert (NOTE [A start-up
+hook in every interpreter] in _bootstrap/sitecustomize.py). apply() itself runs when the process first imports
+torch (NOTE [Apply when torch is imported]), so a Python process that never uses torch pays nothing. This module
+imports only the standard library at module level, for the same reason.
 
 Options (each also an environment variable, which is what the child processes read):
 
@@ -276,25 +278,6 @@ def check_environment(environ: dict | None = None) -> dict:
 
 def _is_level(text: str) -> bool:
     return isinstance(logging.getLevelName(text.strip().upper()), int)
-
-
-def chain_user_sitecustomize(this_module) -> None:
-    """Import the next ``sitecustomize`` on sys.path after ours (the user's or the environment's), if any."""
-    here = os.path.dirname(os.path.abspath(this_module.__file__))
-    positions = [i for i, p in enumerate(sys.path) if os.path.abspath(p or ".") == here]
-    if not positions:
-        return
-    saved = [sys.path.pop(i) for i in reversed(positions)]
-    del sys.modules["sitecustomize"]
-    try:
-        import sitecustomize  # noqa: F401 - the next one on the path, if any
-    except ImportError as e:
-        if e.name != "sitecustomize":
-            raise  # the user's sitecustomize itself failed: show it, as Python would
-        sys.modules["sitecustomize"] = this_module
-    finally:
-        for i, p in zip(sorted(positions), reversed(saved)):
-            sys.path.insert(i, p)
 
 
 def environment(options: dict, log_level: str | None, environ: dict | None = None) -> dict:

@@ -14,8 +14,43 @@
 # built under apply() on that group drops its reducer (and the logger that shares it) while the group registry
 # and ``ddp.process_group`` still reference the group, then drops ``process_group``. ~Reducer then frees no
 # group, and the group's own destructor runs afterwards through its GIL-releasing handle. The DDP object stays
-# usable for what needs no communication (state_dict(), evaluation of a model without buffers); a training
-# forward raises a clear error.
+# usable for everything that needs no communication: NOTE [A DDP after its group was destroyed].
+#
+# NOTE [A DDP after its group was destroyed]
+# With its reducer gone a DDP must still do, as the plain module would, what needs no collective: state_dict(),
+# evaluation with or without grad mode, the input gradient of an output (saliency maps, adversarial evaluation),
+# local accumulation under no_sync(). Only a real collective may fail, and then clearly. What DDP asks of its
+# reducer and logger (torch 2.13 _pre_forward / _post_forward), and what the stand-in, ReleasedReducer, answers:
+#   * grad mode on and require_backward_grad_sync: logger.set_runtime_stats_and_log() and
+#     reducer.prepare_for_forward(): bookkeeping, nothing to do.
+#   * grad mode on: reducer._rebuild_buckets(), a broadcast of bucket indices once, at the first forward after
+#     the first backward. No reducer, no buckets: False ("not rebuilt"), and no collective.
+#   * after the module, grad mode on and require_backward_grad_sync: reducer.prepare_for_backward(outputs), which
+#     arms the reducer's autograd hooks (expect_autograd_hooks_); the stand-in arms its refusal (below).
+#   * logger.set_error_and_log(message), which DDP's _log_and_throw calls before raising: nothing, so DDP's own
+#     error is the one raised.
+#   Anything else (join, comm hooks, _set_static_graph, the static graph's first delayed all-reduce in _DDPSink)
+#   configures or runs communication, and raises the stand-in's error naming it.
+# A backward: the reducer hooked each trainable parameter's AccumulateGrad node and, once armed, all-reduces what
+# they accumulate. ~Reducer removed those hooks, so a backward would now write local, unaveraged gradients without
+# a word. So the stand-in mirrors the reducer's flag: armed by prepare_for_backward, a pre-hook on each of those
+# nodes -- held by the stand-in, as the reducer held them -- raises in the first backward that reaches them, before
+# anything is accumulated, and disarms, as that backward's finished reduction would have cleared the reducer's
+# flag (the rest of that graph task is refused too). So after the error, the advice in it works: a backward of a
+# forward through ``ddp.module`` or under no_sync() accumulates locally. A node pre-hook runs only when the node
+# runs: ``torch.autograd.grad`` of an output w.r.t. the input (or the parameters) runs no AccumulateGrad node,
+# so no DDP hook either (NOTE [Only a backward that accumulates] in ddp_patches/reach.py), and works as without
+# the library; so does a backward under no_sync() or through ``ddp.module`` while no synced forward is pending.
+# Measured unpatched (torch 2.13, gloo, 2 ranks in lockstep): after destroy_process_group the old reducer still
+# all-reduces over the shut-down group; that cannot outlive freeing the group (the note above), so here it is an
+# error that says what to do. A new DDP on the same module shares these nodes: its construction under apply() retires the
+# released stand-ins' hooks (track()), so the refusal does not follow the module.
+# Buffers: before a forward that follows a training forward, a DDP with buffers and broadcast_buffers=True
+# broadcasts them from rank 0 through ``_distributed_broadcast_coalesced`` (DDP's only caller of
+# dist._broadcast_coalesced). With ``process_group`` None that binding gets a null group and segfaults (measured:
+# an eval forward of a BatchNorm model under no_grad killed both ranks). Skipping it would leave each rank its own
+# buffers where DDP gives rank 0's, so on a released DDP that method is replaced, on the instance, by a clear
+# error.
 #
 # NOTE [Groups held by default arguments]
 # Releasing the reducer is not enough for the group to go: some torch modules write ``group=group.WORLD`` in a
@@ -78,8 +113,10 @@ import sys
 import time
 import weakref
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from . import probes, versions
 from ._registry import REGISTRY
@@ -93,30 +130,147 @@ _live: weakref.WeakSet = weakref.WeakSet()
 _was_distributed: list[bool] = []  # set once a patched destroy_process_group saw world size > 1
 
 
+def _destroyed(what: str) -> str:
+    return (f"ddp_patches: {what}, but this DistributedDataParallel's process group was destroyed "
+            "(torch.distributed.destroy_process_group, e.g. by trainer.end()), and its reducer was released with it "
+            "(NOTE [Reducer outliving its process group] in ddp_patches/teardown.py). To train again, call "
+            "init_process_group and wrap the model in a new DistributedDataParallel.")
+
+
+SYNCED_BACKWARD = _destroyed(
+    "a backward reached the parameters of a DistributedDataParallel after a forward through it with gradient sync "
+    "on, so DDP would all-reduce their gradients; none was written") + (
+    " For local gradients, run the forward through ddp.module or under ddp.no_sync(); the gradient of an output "
+    "w.r.t. the input (torch.autograd.grad(output, inputs)) needs no collective and works as it is "
+    "(NOTE [A DDP after its group was destroyed]).")
+
+BUFFER_BROADCAST = _destroyed(
+    "this DistributedDataParallel would broadcast its buffers (e.g. BatchNorm running statistics) from rank 0 "
+    "before this forward") + (
+    " To evaluate with this rank's own buffers, call ddp.module(...); to get rank 0's, evaluate before "
+    "destroy_process_group.")
+
+
 class ReleasedReducer:
-    """Stands in for ``DistributedDataParallel.reducer`` and ``.logger`` once their process group was destroyed."""
+    """Stands in for ``DistributedDataParallel.reducer`` and ``.logger`` once their process group was destroyed:
+    answers what a forward asks without a collective, and refuses a backward DDP would all-reduce (NOTE [A DDP
+    after its group was destroyed])."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self._params = params
+        self._nodes: list = []  # the parameters' AccumulateGrad nodes once armed, held as the reducer held them
+        self._handles: list = []
+        self._armed = False  # the reducer's expect_autograd_hooks_
+        self._refused_task = -2  # the graph task of the last refusal (-1 is "no backward running")
+        self._retired = False
+
+    # -- what DDP's forward asks (torch 2.13 _pre_forward / _post_forward, _log_and_throw) ---------------------
+    def set_runtime_stats_and_log(self) -> None:
+        pass
+
+    def prepare_for_forward(self) -> None:
+        pass
+
+    def _rebuild_buckets(self) -> bool:
+        return False  # no reducer, no buckets: nothing rebuilt, nothing broadcast
+
+    def prepare_for_backward(self, outputs) -> None:
+        self._hook_nodes()
+        self._armed = not self._retired
+
+    def set_error_and_log(self, message: str) -> None:
+        pass  # DDP raises its own error right after
+
+    # -- a backward DDP would all-reduce ---------------------------------------------------------------------
+    def _hook_nodes(self) -> None:
+        """A pre-hook on each parameter's AccumulateGrad node, once, at the first forward that arms."""
+        if self._handles or self._retired:
+            return
+        refuse = _RefuseSyncedBackward(weakref.ref(self))
+        for p in self._params:
+            if not p.requires_grad:
+                continue
+            node = get_gradient_edge(p).node
+            self._nodes.append(node)
+            handle = node.register_prehook(refuse)
+            self._handles.append(handle)
+            REGISTRY.add_instance_handle(handle)
+
+    def refuse_if_synced(self) -> None:
+        """Raise in the backward DDP would all-reduce: the first to reach the parameters after a synced forward.
+        It disarms, as that backward's finished reduction would have; the rest of its graph task is refused too."""
+        task = torch._C._current_graph_task_id()
+        if self._armed or task == self._refused_task:
+            self._armed = False
+            self._refused_task = task
+            raise RuntimeError(SYNCED_BACKWARD)
+
+    def retire(self) -> None:
+        """A newer DDP wraps these parameters: its reducer, not this stand-in, decides about their gradients."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._nodes.clear()
+        self._armed = False
+        self._retired = True
+
+    def shares_parameters_with(self, module: nn.Module) -> bool:
+        mine = {id(p) for p in self._params}
+        return any(id(p) in mine for p in module.parameters())
 
     def __getattr__(self, name: str):
-        raise RuntimeError(
-            "ddp_patches: this DistributedDataParallel's process group was destroyed "
-            "(torch.distributed.destroy_process_group, e.g. by trainer.end()), and its reducer was released with "
-            "it (NOTE [Reducer outliving its process group] in ddp_patches/teardown.py). Wrap the model in a new "
-            "DistributedDataParallel after init_process_group to train again."
-        )
+        if name.startswith("__"):  # copy, pickle and friends probe dunders: not ours to answer
+            raise AttributeError(name)
+        raise RuntimeError(_destroyed(f"DistributedDataParallel asked its reducer for {name!r}, which needs the "
+                                      "process group"))
+
+
+class _RefuseSyncedBackward:
+    """Pre-hook of an AccumulateGrad node: a backward that would accumulate into it is one DDP all-reduces."""
+
+    def __init__(self, stand_in: "weakref.ref[ReleasedReducer]") -> None:
+        self.stand_in = stand_in
+
+    def __call__(self, grad_outputs):
+        stand_in = self.stand_in()
+        if stand_in is not None:  # a freed DDP's reducer would have removed its hooks: nothing to refuse
+            stand_in.refuse_if_synced()
+        return None
+
+
+def _refuse_buffer_broadcast(*args, **kwargs):
+    raise RuntimeError(BUFFER_BROADCAST)
+
+
+_released: weakref.WeakSet = weakref.WeakSet()  # stand-ins whose parameters a newer DDP may wrap
+
+
+def _trainable(ddp: nn.Module) -> list[nn.Parameter]:
+    """The parameters DDP's reducer hooked (its _build_params_for_reducer): trainable, not ignored, once each."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
 
 
 def track(ddp: nn.Module) -> None:
-    """Remember a DDP built under apply(), weakly."""
+    """Remember a DDP built under apply(), weakly; retire the refusal of released DDPs on the same parameters."""
     _live.add(ddp)
+    for stand_in in list(_released):
+        if stand_in.shares_parameters_with(ddp.module):
+            stand_in.retire()
+            _released.discard(stand_in)
 
 
 def release(ddp: nn.Module) -> None:
     """Free the reducer while its group is referenced elsewhere, then drop the DDP's own group reference.
 
-    The order is the fix: NOTE [Reducer outliving its process group].
+    The order is the fix: NOTE [Reducer outliving its process group]. What the DDP can still do: NOTE [A DDP after
+    its group was destroyed].
     """
-    ddp.reducer = ddp.logger = ReleasedReducer()
+    stand_in = ReleasedReducer(_trainable(ddp))
+    ddp.reducer = ddp.logger = stand_in
     ddp.process_group = None
+    ddp._distributed_broadcast_coalesced = _refuse_buffer_broadcast  # never hand None to the C++ broadcast
+    _released.add(stand_in)
 
 
 # Modules that bind ``group.WORLD`` in signatures at import (NOTE [Groups held by default arguments]); only those

@@ -28,8 +28,9 @@ def released_case() -> dict:
         released = isinstance(ddp.reducer, ReleasedReducer) and ddp.process_group is None
         with torch.no_grad():
             ddp(torch.randn(2, 4))  # evaluation needs no reducer
+        ddp(torch.randn(2, 4))  # a forward with grad needs no collective either (issue 27)
         try:
-            ddp(torch.randn(2, 4))
+            ddp(torch.randn(2, 4)).sum().backward()  # a synced backward would all-reduce: refused, clearly
             message = "no error"
         except RuntimeError as e:
             message = str(e)

@@ -1,14 +1,59 @@
 """Start-up hook of ``ddp-patches-run`` (ddp_patches/autoapply.py): apply() once torch is imported.
 
-This directory is put first on PYTHONPATH only by ``ddp-patches-run``; the user's own sitecustomize, further on
-the path, is imported right after.
+This directory is put first on PYTHONPATH only by ``ddp-patches-run``; the sitecustomize it shadows (the user's,
+or the system's, further on the path) is imported right after, in every interpreter: NOTE [A start-up hook in
+every interpreter].
 """
 
+# NOTE [A start-up hook in every interpreter]
+# PYTHONPATH reaches every Python process the command starts, not only those whose interpreter has ddp_patches:
+# a helper run with the system's ``python3``, a tool's own venv. There ``from ddp_patches import autoapply``
+# failed, site.py printed "Error in sitecustomize ... ModuleNotFoundError: No module named 'ddp_patches'" in
+# every such process, and the sitecustomize this file shadows (Debian ships one, apport's hook) no longer ran.
+# So this file imports only the standard library itself; where ddp_patches cannot be found it does nothing and
+# says nothing (there is nothing to apply in an interpreter without the library: torch, if it has one, runs
+# unpatched, as it would without the runner); and in every case it chains the next sitecustomize on the path with
+# its own code, since the library may be missing. Any other error -- in ddp_patches, or in the sitecustomize it
+# chains -- is shown, as Python shows it.
+
+import os
 import sys
 
-from ddp_patches import autoapply
+
+def _autoapply():
+    """``ddp_patches.autoapply``, or None where this interpreter cannot import ddp_patches."""
+    try:
+        from ddp_patches import autoapply
+    except ImportError as e:
+        if e.name in ("ddp_patches", "ddp_patches.autoapply"):
+            return None  # another interpreter, without the library: inert and silent
+        raise
+    return autoapply
+
+
+def _chain_next_sitecustomize() -> None:
+    """Import the next ``sitecustomize`` on sys.path after this one (the user's or the system's), if any."""
+    here = os.path.dirname(os.path.realpath(__file__))
+    positions = [i for i, p in enumerate(sys.path) if os.path.realpath(p or ".") == here]
+    if not positions:
+        return
+    this = sys.modules[__name__]
+    saved = [sys.path.pop(i) for i in reversed(positions)]
+    del sys.modules["sitecustomize"]
+    try:
+        import sitecustomize  # noqa: F401 - the next one on the path, if any
+    except ImportError as e:
+        if e.name != "sitecustomize":
+            raise  # the shadowed sitecustomize itself failed: show it, as Python would
+        sys.modules["sitecustomize"] = this
+    finally:
+        for i, p in zip(sorted(positions), reversed(saved)):
+            sys.path.insert(i, p)
+
 
 try:
-    autoapply.bootstrap()
+    _library = _autoapply()
+    if _library is not None:
+        _library.bootstrap()
 finally:
-    autoapply.chain_user_sitecustomize(sys.modules[__name__])
+    _chain_next_sitecustomize()
