@@ -148,7 +148,10 @@ class UnusedParameterEdges:
                 self._params.append(p)
         self._fired: set[int] = set()  # indices of parameters whose AccumulateGrad ran since the last settle
         self._node_hooks: list[Any] = []
-        self._nodes: list[Any] = []  # the parameters' AccumulateGrad nodes
+        # The parameters' AccumulateGrad nodes, the ones DDP's reducer took and hooked a moment ago: taken now,
+        # while every listed parameter is trainable (a first forward under PEFT's disable_adapter() has them frozen,
+        # and a frozen parameter has no gradient edge to take).
+        self._nodes: list[Any] = [get_gradient_edge(p).node for p in self._params]
         self._active = False
         self._armed: weakref.ref | None = None  # the DDP whose forward awaits its settle (NOTE [One collective...])
         self._retired = False
@@ -176,9 +179,9 @@ class UnusedParameterEdges:
 
     def _watch_nodes(self) -> None:
         """Post-hooks on the AccumulateGrad nodes, once, at the first forward that needs them."""
-        for i, p in enumerate(self._params):
-            node = get_gradient_edge(p).node  # the node DDP's reducer holds and hooks
-            self._nodes.append(node)
+        if not self._nodes:  # a copy (__getstate__) takes its own nodes at its first forward
+            self._nodes = [get_gradient_edge(p).node for p in self._params]
+        for i, node in enumerate(self._nodes):
             handle = node.register_hook(_Recorder(self, i))
             self._node_hooks.append(handle)
             REGISTRY.add_instance_handle(handle)

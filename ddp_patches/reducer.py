@@ -10,7 +10,8 @@ Three measured failures, three small steps, each only when the process is distri
 2. static_graph + gradient accumulation (NOTE [static graph first step]): the first backward under
    ``no_sync()`` trips ``expect_autograd_hooks_ INTERNAL ASSERT FAILED``; the first one is made a synced one.
 3. The trainable-parameter set is checked at every training forward against the one the reducer was built
-   with (parameters frozen or unfrozen after wrapping): a clear error instead of a hang or silent drift.
+   with: a parameter unfrozen after wrapping is a clear error instead of silent drift; one frozen after wrapping
+   is an error only at a backward the reducer would wait for (NOTE [A frozen parameter is judged at the backward]).
 
 The settings are logged once on rank 0 at INFO. The library does no dummy forward: DDP installs its autograd
 hooks at construction, and a no-grad forward installs nothing, so it would have no measured effect.
@@ -23,6 +24,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import checkpointing, engines, guard, probes, reach, teardown, tiled_mlp
@@ -52,18 +54,112 @@ class TrainableParametersChangedError(RuntimeError):
 # forward by ``reach`` (edges only for parameters the outputs cannot reach, only when the reducer does not
 # search itself), so the setting the user, the Trainer or TRL chose is passed to DDP untouched. With
 # non-reentrant checkpointing (ddp_patches.checkpointing) both values of the flag and static_graph train.
+
+
+# NOTE [A frozen parameter is judged at the backward]
+# DDP's reducer is built with the parameters that are trainable at construction and registers their hooks once.
+# What a later change of that set does without the library (measured, 2 gloo ranks):
+#   * A parameter unfrozen after wrapping is not in the reducer: it trains on each rank's data alone and the ranks
+#     drift apart silently (peft's disable_adapter() does this on exit to an adapter weight frozen before
+#     wrapping: set_adapter() sets requires_grad=True on every active adapter weight). Always an error, at the
+#     training forward that sees it.
+#   * A parameter frozen after wrapping fires no hook. With find_unused_parameters=True and no static graph the
+#     reducer's own graph search marks it unused in every step: progressive freezing (model.module[0]
+#     .requires_grad_(False) after a few steps) trains, equal to a single process. Nothing to check there.
+#   * With find_unused_parameters=False or static_graph=True the reducer waits for it, but only after a synced
+#     backward through a forward that ran with it frozen ("Expected to have finished reduction in the prior
+#     iteration" at the next forward). A forward alone is harmless: peft's disable_adapter() freezes every
+#     adapter weight (BaseTunerLayer.enable_adapters(False)) for a reference forward whose output is detached
+#     (DPO/KTO written by hand, no separate reference model), and that trains without the library.
+# So a frozen parameter is never refused at the forward. Where the reducer would wait for it, the forward's
+# outputs get a gradient hook, and a backward through them that will not run the parameter's AccumulateGrad
+# while it is still frozen raises TrainableParametersChangedError there, in the step of the change, naming it (a
+# reference output that is detached, or backpropagated after the adapters are enabled again, passes). The
+# unused-parameter rescue (ddp_patches/reach.py) is no way out: it cannot give a frozen leaf an edge (measured:
+# "element 0 of tensors does not require grad" inside backward(), or the reducer left waiting); made to fire the
+# hook anyway (requires_grad set around its nested backward), it trained exactly as find_unused_parameters=True
+# (AdamW with weight decay, 0.0 difference), but that would make a failing configuration train behind the user's
+# setting, so the error stays and names find_unused_parameters=True as the setting that copes.
 class TrainableGuard:
-    """Forward pre-hook on one DDP instance: the trainable set must stay what the reducer was built with."""
+    """Hooks on one DDP instance: the trainable set against the one the reducer was built with."""
 
     def __init__(self, ddp: DDP) -> None:
         self.expected = _trainable_names(ddp)
+        # The AccumulateGrad nodes the reducer hooks; every listed parameter requires grad now, and a frozen one's
+        # node can no longer be asked for (get_gradient_edge raises).
+        self._nodes = {n: get_gradient_edge(p).node for n, p in ddp.module.named_parameters() if n in self.expected}
+        self._watch: frozenset[str] = frozenset()  # frozen in this forward, for a reducer that waits for them
 
-    def __call__(self, ddp: DDP, args: Any) -> None:
+    def __getstate__(self) -> dict:
+        # A DDP is pickled or deep-copied with its hooks (PyTorch's own DDP tests do it); autograd nodes are neither.
+        # Without nodes, a frozen parameter counts as one whose AccumulateGrad does not run.
+        return {**self.__dict__, "_nodes": {}, "_watch": frozenset()}
+
+    def install(self, ddp: DDP) -> None:
+        REGISTRY.add_instance_handle(ddp.register_forward_pre_hook(self.before_forward))
+        REGISTRY.add_instance_handle(ddp.register_forward_hook(self.after_forward))
+
+    def before_forward(self, ddp: DDP, args: Any) -> None:
+        self._watch = frozenset()
         if not (ddp.training and torch.is_grad_enabled()) or engines.compiling():
             return
         current = _trainable_names(ddp)
-        if current != self.expected:
+        if current == self.expected:
+            return
+        if current - self.expected:
             raise TrainableParametersChangedError(_changed_message(self.expected, current))
+        frozen = self.expected - current
+        if not reach.needed(ddp):  # the reducer searches for unused parameters itself
+            log_rank0_once("frozen-after-wrapping", logging.INFO,
+                           "ddp_patches: %d parameter(s) frozen after DistributedDataParallel was built (e.g. %s); "
+                           "find_unused_parameters=True: the reducer treats them as unused, as without the library",
+                           len(frozen), min(frozen))
+        elif ddp.require_backward_grad_sync:  # under no_sync the reducer waits for nothing
+            self._watch = frozen
+
+    def after_forward(self, ddp: DDP, args: Any, output: Any) -> None:
+        watch, self._watch = self._watch, frozenset()
+        if watch:
+            reach.map_tensors(output, _in_graph, lambda ts: [self._judge_at_backward(t, ddp, watch) for t in ts])
+
+    def _judge_at_backward(self, t: torch.Tensor, ddp: DDP, watch: frozenset[str]) -> torch.Tensor:
+        t.register_hook(lambda grad: self._check_backward(ddp, watch))
+        return t
+
+    def _check_backward(self, ddp: DDP, watch: frozenset[str]) -> None:
+        params = dict(ddp.module.named_parameters())
+        frozen = [n for n in watch if not params[n].requires_grad]
+        if not frozen:
+            return  # enabled again since the forward (a reference output backpropagated after disable_adapter())
+        try:
+            if not self._accumulates():
+                return  # autograd.grad(), or a backward that reaches none of the DDP's parameters: no reduction
+            waiting = sorted(n for n in frozen if not self._will_run(n))
+        except RuntimeError:  # "A leaf node was passed ... but we are currently running autograd.grad()"
+            return
+        if waiting:  # a parameter frozen after this forward's graph was recorded still runs its hook
+            raise TrainableParametersChangedError(
+                _changed_message(self.expected, self.expected - frozenset(waiting), waiting=_waiting_line(ddp)))
+
+    def _accumulates(self) -> bool:
+        # Without the nodes (a copied DDP), every backward counts as one that accumulates.
+        return not self._nodes or any(torch._C._will_engine_execute_node(n) for n in self._nodes.values())
+
+    def _will_run(self, name: str) -> bool:
+        node = self._nodes.get(name)
+        return node is not None and torch._C._will_engine_execute_node(node)
+
+
+def _in_graph(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
+
+
+def _waiting_line(ddp: DDP) -> str:
+    setting = "static_graph=True" if getattr(ddp, "static_graph", False) else "find_unused_parameters=False"
+    return (f"  A synced backward runs through a forward that ran with them frozen; with {setting} the reducer waits "
+            "for their gradients (without the library: 'Expected to have finished reduction in the prior iteration' "
+            "at the next forward). find_unused_parameters=True (without static_graph) lets DDP treat parameters "
+            "frozen later as unused.")
 
 
 def _trainable_names(ddp: DDP) -> frozenset[str]:
@@ -71,7 +167,7 @@ def _trainable_names(ddp: DDP) -> frozenset[str]:
     return frozenset(n for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
 
 
-def _changed_message(expected: frozenset[str], current: frozenset[str]) -> str:
+def _changed_message(expected: frozenset[str], current: frozenset[str], waiting: str = "") -> str:
     added = sorted(current - expected)
     removed = sorted(expected - current)
     lines = ["ddp_patches: the trainable parameters changed after the model was wrapped in DistributedDataParallel."]
@@ -79,6 +175,8 @@ def _changed_message(expected: frozenset[str], current: frozenset[str]) -> str:
         lines.append(f"  now trainable, but not when DDP was built (they would never be synchronised): {_some(added)}")
     if removed:
         lines.append(f"  trainable when DDP was built, frozen now (the reducer would wait for them): {_some(removed)}")
+    if waiting:
+        lines.append(waiting)
     lines.append("  DDP registers its gradient hooks once, at construction. Freeze/unfreeze parameters and add "
                  "adapters before wrapping (before Trainer/SFTTrainer or accelerator.prepare), or build a new "
                  "DistributedDataParallel after the change.")
@@ -99,7 +197,7 @@ def _patched_ddp_init(original_init):
             return
         engines.own(self)  # NOTE [The engine is the module's owner's]
         tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
-        REGISTRY.add_instance_handle(self.register_forward_pre_hook(TrainableGuard(self)))
+        TrainableGuard(self).install(self)  # before reach: its hooks see DDP's own outputs
         reach.install(self)
         teardown.track(self)
         guard.track(self)  # no-op unless the guard is on (ddp_patches/guard.py)

@@ -57,8 +57,8 @@ def trainable_changed_case(change: str) -> str:
             model[0].weight.requires_grad_(True)
         else:
             model[1].bias.requires_grad_(False)
-        try:
-            ddp(torch.randn(2, 4))
+        try:  # unfrozen: refused at the forward; frozen: at the backward, where DDP would wait for it (issue 27)
+            ddp(torch.randn(2, 4)).sum().backward()
         except ddp_patches.TrainableParametersChangedError as e:
             return str(e)
         finally:
