@@ -63,10 +63,17 @@ def test_ci_runs_every_lane():
 def test_a_lane_runs_with_a_relative_workdir(tmp_path, monkeypatch):
     """.ci/run passes ``--workdir .lanes``: the venv's python path was relative and the version query, which runs
     with cwd="/", did not find it (FileNotFoundError after the whole lane had run). The venv here is this
-    interpreter linked in place of the install (minutes, a torch download); one scenario and one test run."""
+    interpreter put in place of the install (minutes, a torch download); one scenario and one test run.
+
+    Not a symlink to sys.executable: inside a virtualenv the link starts the base interpreter, which finds no
+    pyvenv.cfg beside the link and so none of the venv's packages (no torch). A script that execs this very
+    interpreter by its path keeps its environment, in a venv and in a global interpreter alike."""
     def link_this_interpreter(lane, venv):
         os.makedirs(os.path.join(venv, "bin"))
-        os.symlink(sys.executable, os.path.join(venv, "bin", "python"))
+        python = os.path.join(venv, "bin", "python")
+        with open(python, "w", encoding="utf-8") as f:
+            f.write(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        os.chmod(python, 0o755)
 
     lane = lanes.Lane("tiny", torch="-", pins={}, why="a relative workdir", scenarios="raw-reentrant-twice",
                       tests=("tests/test_lanes.py::test_pyproject_claims_exactly_the_tested_range",))
