@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 import weakref
 from typing import Callable, Iterator
@@ -486,7 +487,32 @@ def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None) -> 
     REGISTRY.install(torch_checkpoint, name, _make_offloading_generator)
     _active["offloader"] = offloader
     REGISTRY.add_handle(_Uninstall())
-    return [f"torch.utils.checkpoint.{name}"]
+    return [f"torch.utils.checkpoint.{name}", *_patch_bound_copies()]
+
+
+# NOTE [Modules that imported the generator by name]
+# torch.distributed._composable.checkpoint_activation (the composable ``checkpoint(module)`` FSDP2 users apply per
+# block) does ``from torch.utils.checkpoint import _checkpoint_without_reentrant_generator`` (``..._impl`` on newer
+# torch): it holds the generator under its own global, bound when it was imported. transformers + peft import it
+# already, so with the usual import order (libraries first, apply() after) the composable path kept the original
+# and nothing was offloaded, without a word. So apply() also wraps that module's copy when the module is already
+# imported; one imported later binds the wrapped global of torch.utils.checkpoint by itself.
+BOUND_COPIES = ("torch.distributed._composable.checkpoint_activation",)
+
+
+def _patch_bound_copies() -> list[str]:
+    patched = []
+    for module_name in BOUND_COPIES:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        for name in offload_probes.GENERATOR_NAMES:
+            if vars(module).get(name) is vars(torch_checkpoint).get(name) is not None:
+                continue  # it binds the global already wrapped (imported after apply())
+            if name in vars(module):
+                REGISTRY.install(module, name, _make_offloading_generator)
+                patched.append(f"{module_name}.{name}")
+    return patched
 
 
 def stats() -> OffloadStats | None:
