@@ -154,6 +154,8 @@ class UnusedParameterEdges:
         self._nodes: list[Any] = [get_gradient_edge(p).node for p in self._params]
         self._active = False
         self._armed: weakref.ref | None = None  # the DDP whose forward awaits its settle (NOTE [One collective...])
+        self._pending_reset: tuple | None = None  # (indices without a gradient here, their reduced counts, world)
+        self._finalized_in_backward = False  # torch >= 2.15 manual finalization ran from a backward hook
         self._retired = False
         self.attached_last = 0  # parameters fired by the last settle (tests, the doctor)
         self._settling_task = -1  # the graph task whose end settles (one settle per backward)
@@ -162,7 +164,8 @@ class UnusedParameterEdges:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
         # the parameter list and watches its own nodes again at its first forward.
         state = dict(self.__dict__)
-        state.update(_fired=set(), _node_hooks=[], _nodes=[], _active=False, _armed=None, _settling_task=-1)
+        state.update(_fired=set(), _node_hooks=[], _nodes=[], _active=False, _armed=None, _settling_task=-1,
+                     _pending_reset=None, _finalized_in_backward=False)
         return state
 
     def install(self, ddp: nn.Module) -> None:
@@ -266,13 +269,29 @@ class UnusedParameterEdges:
             counts[torch.tensor(no_grad, device=counts.device)] = 1.0
         group = getattr(ddp, "process_group", None)
         torch.distributed.all_reduce(counts, group=group)
+        finalized, self._finalized_in_backward = self._finalized_in_backward, False
         if not no_grad:
             return  # every parameter had a gradient here, so none is unused everywhere: nothing to read back
-        world = torch.distributed.get_world_size(group)
-        unused_everywhere = (counts[no_grad] == world).tolist()
-        for i, unused in zip(no_grad, unused_everywhere):
+        self._pending_reset = (no_grad, counts, torch.distributed.get_world_size(group))
+        if finalized or not getattr(ddp, "_require_manual_backward_finalization", False):
+            self.apply_pending_reset()  # else at the user's finalize_backward(): NOTE [Manual finalization]
+
+    def apply_pending_reset(self) -> None:
+        if self._pending_reset is None:
+            return
+        no_grad, counts, world = self._pending_reset
+        self._pending_reset = None
+        for i, unused in zip(no_grad, (counts[no_grad] == world).tolist()):
             if unused:
                 self._params[i].grad = None
+
+    def backward_finalized(self) -> None:
+        """The user called ``finalize_backward()`` (torch >= 2.15, manual finalization): the reducer has written
+        the averages now. From a hook inside the backward, the reset follows at its end."""
+        if torch._C._current_graph_task_id() != -1:
+            self._finalized_in_backward = True
+        else:
+            self.apply_pending_reset()
 
     def settles(self, ddp: nn.Module) -> bool:
         """Whether a synced backward of ``ddp`` ends with the count-all-reduce: settings equal on every rank."""
@@ -338,6 +357,32 @@ def _patched_join_hook(original_join_hook):
         return hook if edges is None else _JoinShadow(hook, self, edges)
 
     return join_hook
+
+
+# NOTE [Manual finalization]
+# torch 2.15's ``ddp.require_manual_backward_finalization = True`` leaves the reducer's write-back of the averaged
+# gradients to the user's ``ddp.finalize_backward()``, after the backward returns (or from a hook once every bucket
+# is ready). The count-all-reduce is still issued at the end of the backward, in the same place in the sequence of
+# collectives, but setting ``.grad = None`` before the write-back would be undone by it: so the reset waits for
+# ``finalize_backward()`` (wrapped on the class), or runs at the end of the backward when a hook already called it.
+def _patched_finalize_backward(original_finalize_backward):
+    def finalize_backward(self):
+        original_finalize_backward(self)
+        edges = for_ddp(self)
+        if edges is not None:
+            edges.backward_finalized()
+
+    return finalize_backward
+
+
+def patch_finalize_backward() -> list[str]:
+    """Where DDP has manual backward finalization (torch >= 2.15)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "finalize_backward" not in vars(DistributedDataParallel):
+        return []
+    REGISTRY.install(DistributedDataParallel, "finalize_backward", _patched_finalize_backward)
+    return ["DistributedDataParallel.finalize_backward"]
 
 
 def patch_join_hook() -> None:

@@ -37,8 +37,9 @@ def test_every_lane_is_recorded_and_passed():
     assert [r["lane"] for r in COMMITTED["lanes"]] == list(lanes.lanes()), REGENERATE
     for row in COMMITTED["lanes"]:
         lane = lanes.lanes()[row["lane"]]
-        assert row["versions"]["torch"].split("+")[0] == lane.torch, REGENERATE
-        assert all(row["versions"][p] == lane.pins[p] for p in lanes.LIBRARIES), REGENERATE
+        if lane.name != lanes.FLOATING:  # floating pins nothing: its row says what it ran, and when
+            assert row["versions"]["torch"].split("+")[0] == lane.torch, REGENERATE
+            assert all(row["versions"][p] == lane.pins[p] for p in lanes.LIBRARIES), REGENERATE
         assert row["validate"]["passed"] == row["validate"]["total"] > 0 and row["tests"]["ok"], row
 
 
@@ -56,7 +57,7 @@ def test_ci_runs_every_lane():
     with open(os.path.join(lanes.ROOT, ".ci", "run"), encoding="utf-8") as f:
         script = f.read()
     for name in lanes.lanes():
-        if name != "main":
+        if name not in ("main", lanes.FLOATING):  # NOTE [Newest pinned, newest floating]
             assert f"ddp_patches.verify.lanes run {name}" in script
 
 

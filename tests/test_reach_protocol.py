@@ -82,15 +82,21 @@ def _plans(pattern: str, world: int) -> list[list]:
         return [[(_loss, it % 2 == 0) for it in range(3 if r == 0 else 2)] for r in range(world)]
     if pattern == "join_branch_idle":  # the branch is used by rank 0 only, at its first step
         return [[(_loss, r == 0 and it == 0) for it in range(3 if r == 0 else 2)] for r in range(world)]
+    if pattern == "plain":
+        return [[(_loss, True) for it in range(3)] for r in range(world)]
+    if pattern == "branch_idle":  # the branch is used by rank 0 at its first step only
+        return [[(_loss, r == 0 and it == 0) for it in range(3)] for r in range(world)]
     if pattern == "off_output":  # rank 1 has nothing to learn from at step 1
         return [[(_off_output_loss if (r == 1 and it == 1) else _loss, True) for it in range(3)] for r in range(world)]
     raise ValueError(pattern)
 
 
 def protocol_case(pattern: str, patched: bool, net: dict, ddp_kwargs: dict | None = None, accum: int = 1,
-                  comm_hook: bool = False) -> dict:
+                  comm_hook: bool = False, manual_finalize: bool = False) -> dict:
     """``accum``: each step's batch runs ``accum`` times, all but the last under ``no_sync`` (the reference is
-    then ``accum`` times the step's gradient); ``comm_hook``: DDP's fp16 compression hook (gradients rounded)."""
+    then ``accum`` times the step's gradient); ``comm_hook``: DDP's fp16 compression hook (gradients rounded);
+    ``manual_finalize``: torch >= 2.15's ``require_manual_backward_finalization``, ``finalize_backward()`` after
+    each synced backward."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -115,6 +121,8 @@ def protocol_case(pattern: str, patched: bool, net: dict, ddp_kwargs: dict | Non
         ddp = DDP(model, **(ddp_kwargs or {}))
         if comm_hook:
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        if manual_finalize:
+            ddp.require_manual_backward_finalization = True
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with Join([ddp]) if pattern.startswith("join") else contextlib.nullcontext():
             for it, (loss_fn, flag) in enumerate(plans[rank]):
@@ -123,6 +131,8 @@ def protocol_case(pattern: str, patched: bool, net: dict, ddp_kwargs: dict | Non
                     with ddp.no_sync():
                         loss_fn(ddp, x).backward()
                 loss_fn(ddp, x).backward()
+                if manual_finalize:
+                    ddp.finalize_backward()
                 err, ok = _compare(model, reference_step(it))
                 errors.append(err)
                 none_ok.append(ok)
@@ -276,3 +286,27 @@ def _cuda_sync_rank(rank: int, world: int, port: int, q) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# -- torch 2.15's DDP options (issue 29) ------------------------------------------------------------------------
+_TORCH_2_15 = pytest.mark.skipif(not hasattr(torch.nn.parallel.DistributedDataParallel, "finalize_backward"),
+                                 reason="DDP's manual backward finalization and lazy bucket allocation: torch 2.15")
+
+
+@_TORCH_2_15
+@pytest.mark.parametrize("option", ["manual_finalize", "lazy_bucket_allocation"])
+@pytest.mark.parametrize("patched", [False, True])
+def test_torch_2_15_ddp_options_train_as_without_the_library(pool, option, patched):
+    kwargs = {"manual_finalize": True} if option == "manual_finalize" else {"ddp_kwargs": {option: True}}
+    _assert_matches_reference(pool.run(protocol_case, timeout=60, pattern="plain", patched=patched,
+                                       net={"branch": False}, **kwargs))
+
+
+@_TORCH_2_15
+@pytest.mark.parametrize("option", ["manual_finalize", "lazy_bucket_allocation"])
+def test_torch_2_15_ddp_options_with_a_parameter_no_rank_used(pool, option):
+    """The branch is idle from step 1 on: fired without a gradient, then None again, after the user's
+    finalize_backward() under manual finalization (NOTE [Manual finalization])."""
+    kwargs = {"manual_finalize": True} if option == "manual_finalize" else {"ddp_kwargs": {option: True}}
+    _assert_matches_reference(pool.run(protocol_case, timeout=60, pattern="branch_idle", patched=True,
+                                       net={"branch": True}, **kwargs))

@@ -1,6 +1,7 @@
 """Version lanes: the library on the newest and the oldest versions it claims, each in its own virtual env.
 
     python3 -m ddp_patches.verify.lanes run newest --workdir /tmp/lanes     # what .ci/run does per lane
+    python3 -m ddp_patches.verify.lanes run floating --workdir /tmp/lanes   # the newest releases, unpinned (by hand)
     python3 -m ddp_patches.verify.lanes run main --here                     # the current interpreter, no venv
     python3 -m ddp_patches.verify.lanes record /tmp/lanes/*.result.json    # docs/tested-versions.json + README
 
@@ -18,6 +19,13 @@ from that file only (``tests/test_lanes.py`` checks both, and that pyproject's r
 # (Gemma3 and Qwen2-VL VLM scenarios, TRL's current SFTTrainer API, FSDP2 in torch.distributed.fsdp, offload's hook
 # stack, which needs torch 2.8) are left out by name in ``OLDEST_SCENARIOS`` / ``OLDEST_TESTS``, never skipped
 # silently; the README table says how many ran.
+#
+# NOTE [Newest pinned, newest floating]
+# "newest" pins the newest releases as of its last recorded run (torch and transformers above the main lane's
+# pins), so CI is reproducible and a release published the day of a landing cannot block it. "floating" asks pip
+# for whatever is newest that day (no pins): it is run by hand (the command above), not by CI, and its row says on
+# which date and with which versions it last passed. When floating passes on versions newer than newest's pins,
+# those become newest's pins.
 """
 
 from __future__ import annotations
@@ -100,13 +108,24 @@ OLDEST_TESTS_LEFT_OUT = {
 OLDEST_TESTS = tuple(t for t in CORE_TESTS if t not in OLDEST_TESTS_LEFT_OUT)
 
 
+# The newest releases above the main lane's pins, as measured (NOTE [Newest pinned, newest floating]).
+NEWEST_TORCH = "2.15.0"
+NEWEST_OVER_MAIN = {"transformers": "5.24.0"}
+NEWEST_TESTS = CORE_TESTS + ("tests/test_trainers.py", "tests/test_offload_composable.py",
+                              "tests/test_reach_protocol.py")
+FLOATING = "floating"  # not run by CI; any versions
+
+
 def lanes() -> dict[str, Lane]:
-    newest = {k: v for k, v in _constraints().items() if k != "deepspeed"}
+    main = {k: v for k, v in _constraints().items() if k != "deepspeed"}
     scenarios = ",".join(_scenarios_but(OLDEST_LEFT_OUT))
     return {
-        "main": Lane("main", "2.13.0", newest, "the pinned CPU torch; .ci/run runs the full suite on it (this "
+        "main": Lane("main", "2.13.0", main, "the pinned CPU torch; .ci/run runs the full suite on it (this "
                      "row: `lanes run main --here`)"),
-        "newest": Lane("newest", "2.14.1", newest, "the newest torch and libraries"),
+        "newest": Lane("newest", NEWEST_TORCH, {**main, **NEWEST_OVER_MAIN}, "the newest releases, pinned; CI runs it",
+                       tests=NEWEST_TESTS),
+        FLOATING: Lane(FLOATING, "", {}, "whatever is newest on the day of the run (no pins), run by hand: "
+                       "`python3 -m ddp_patches.verify.lanes run floating`", tests=NEWEST_TESTS),
         "oldest": Lane("oldest", "2.4.0", OLDEST_PINS, "pyproject's minimums", scenarios=scenarios,
                        tests=OLDEST_TESTS, left_out={**OLDEST_LEFT_OUT, **OLDEST_TESTS_LEFT_OUT}),
     }
@@ -127,10 +146,11 @@ def _sh(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 def install(lane: Lane, venv: str) -> None:
     _sh([sys.executable, "-m", "venv", "--clear", venv], check=True)
     pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    _sh(pip + [f"torch=={lane.torch}"], check=True)
+    _sh(pip + [f"torch=={lane.torch}" if lane.torch else "torch"], check=True)
+    pins = {"torch": lane.torch, **lane.pins} if lane.torch else lane.pins  # floating: the torch just installed
     constraints = os.path.join(venv, "lane-constraints.txt")
     with open(constraints, "w", encoding="utf-8") as f:
-        f.write("".join(f"{k}=={v}\n" for k, v in {"torch": lane.torch, **lane.pins}.items()))
+        f.write("".join(f"{k}=={v}\n" for k, v in pins.items()))
     _sh(pip + ["-c", constraints, "-e", ".[test]"], check=True)
 
 
@@ -172,6 +192,7 @@ def run(lane: Lane, workdir: str, here: bool = False) -> dict:
                      "scenarios": lane.scenarios},
         "tests": {"files": list(lane.tests), "summary": summary.strip("= "), "ok": tests.returncode == 0},
         "seconds": seconds,
+        "date": time.strftime("%Y-%m-%d"),
     }
     with open(os.path.join(workdir, f"{lane.name}.result.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=2)
@@ -197,7 +218,8 @@ def render(data: dict) -> str:
                      + f" | {val['passed']}/{val['total']}{scope} | {_counts(r['tests']['summary'])} |")
     lines.append("")
     for r in data["lanes"]:
-        lines.append(f"- {r['lane']}: {r['why']}; core test files: "
+        when = f" (last passed on {r['date']})" if r.get("date") and passed(r) else ""
+        lines.append(f"- {r['lane']}: {r['why']}{when}; core test files: "
                      + ", ".join(f"`{os.path.basename(t)}`" for t in r["tests"]["files"]) + ".")
         lines += [f"  Left out: `{name}` ({why})." for name, why in r.get("left_out", {}).items()]
     lines += ["", END]
@@ -220,7 +242,8 @@ def record(paths: list[str]) -> dict:
     for path in paths:
         with open(path, encoding="utf-8") as f:
             result = json.load(f)
-        by_lane[result["lane"]] = {k: result[k] for k in ("lane", "why", "versions", "left_out", "validate", "tests")}
+        by_lane[result["lane"]] = {k: result[k] for k in ("lane", "why", "versions", "left_out", "validate", "tests",
+                                                          "date") if k in result}
     order = list(lanes())
     data["lanes"] = sorted(by_lane.values(), key=lambda r: order.index(r["lane"]) if r["lane"] in order else 99)
     with open(JSON_PATH, "w", encoding="utf-8") as f:
