@@ -32,7 +32,7 @@ from .distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 
-TESTED_TORCH = "2.4 to 2.14"  # the lanes (README "Versions")
+TESTED_TORCH = "2.4 to 2.15"  # the lanes (README "Versions")
 
 
 class AssumptionFailed(Exception):

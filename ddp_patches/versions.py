@@ -6,9 +6,9 @@ import importlib.metadata
 import re
 
 # torch 2.4: non-reentrant checkpoint with determinism_check/early_stop and DDP's
-# _static_graph_delay_allreduce_enqueued, both of which the patches rely on. Tested: torch 2.4, 2.13, 2.14
+# _static_graph_delay_allreduce_enqueued, both of which the patches rely on. Tested: torch 2.4, 2.13, 2.15
 # (the lanes of ddp_patches/verify/lanes.py; README "Versions"). What each patch assumes about torch's internals is
-# probed when it is installed (ddp_patches/probes.py). transformers 4.46: checkpointing kwargs. Tested: 4.46, 5.23.
+# probed when it is installed (ddp_patches/probes.py). transformers 4.46: checkpointing kwargs. Tested: 4.46, 5.23, 5.24.
 MINIMUM = {"torch": (2, 4), "transformers": (4, 46)}
 # Offload reads the saved-tensor hook stack (torch._C._autograd._top_saved_tensors_default_hooks), which torch 2.8
 # added; on 2.4-2.7 apply() installs it inert and says so in its report.
@@ -16,7 +16,7 @@ OFFLOAD_MINIMUM_TORCH = (2, 8)
 # Before torch 2.8 (pytorch#154976) a ProcessGroup's Python handle runs its destructor with the GIL held; the
 # teardown patch then pauses before a group is freed (NOTE [Freeing a group needs a GIL-free destructor]).
 GIL_FREE_GROUP_DESTRUCTOR_TORCH = (2, 8)
-TESTED = {"torch": "2.4 to 2.14", "transformers": "4.46 to 5.23", "peft": "0.13 to 0.21", "trl": "0.12 to 1.16",
+TESTED = {"torch": "2.4 to 2.15", "transformers": "4.46 to 5.24", "peft": "0.13 to 0.21", "trl": "0.12 to 1.16",
           "accelerate": "1.0 to 1.15"}
 
 
