@@ -49,9 +49,14 @@
 #     parameters but not the outputs: ``sum(p.sum() for p in params) * 0``, the "keep every hook firing" idiom
 #     of detection and MoE code). DDP reduces in both, so both settle. One settle per forward: the forward arms
 #     it, the first trigger disarms it.
-#   * Whether it runs is decided, like DDP's own bucket all-reduces, by ``require_backward_grad_sync`` at the
-#     end of the backward, and by settings that are equal on every rank (``needed``); not by what this rank's
-#     data did. A rank that used every parameter still joins it (with zeros).
+#   * Whether it runs is decided as DDP decides whether this backward reduces: by the FORWARD (``_post_forward``
+#     prepares the reducer and sets ``require_forward_param_sync`` when grad mode and sync are on; accelerate's
+#     ``trigger_sync_in_backward`` sets it with its own ``prepare_for_backward``), not by ``no_sync()`` around the
+#     backward alone, and by settings equal on every rank (``needed``); never by what this rank's data did. A rank
+#     that used every parameter still joins it (with zeros). The joined rank's shadow reads the same flag, which
+#     DDP's join hook sets from the peers' forward. (Read at the end of the backward instead, a forward under
+#     ``no_sync`` with its backward outside, or the reverse, made the ranks disagree under Join: a gloo size
+#     mismatch; found by review.)
 #   * Under ``Join`` (uneven inputs), a rank that ran out of data shadows DDP's collectives through DDP's join
 #     hook (``_DDPJoinHook.main_hook``: the bucket all-reduces of each backward its peers run). The library wraps
 #     that hook (``_JoinShadow``): right after DDP's own shadowing, and only when the peers synchronise this
@@ -216,7 +221,7 @@ class UnusedParameterEdges:
         # every hook again ("marked as ready twice").
         if self._armed is None or torch._C._current_graph_task_id() == self._settling_task:
             return
-        if not _accumulates_into(self._nodes):
+        if _in_autograd_grad(self._nodes):
             return  # NOTE [Only a backward that accumulates]
         self._queue_settle(ddp)
 
@@ -245,8 +250,11 @@ class UnusedParameterEdges:
     def _settle(self, ddp: nn.Module) -> None:
         fired = set(self._fired)
         self._fired.clear()
-        if not self._params or not ddp.require_backward_grad_sync:
-            return  # under no_sync the reducer ignores hooks: nothing to fire
+        if not self._params or not _reducer_prepared(ddp):
+            return  # a forward under no_sync prepared no reduction: the reducer ignores hooks, nothing to fire
+        if not fired:  # NOTE [Only a backward that accumulates]: no reduction yet; the forward's is still to come
+            self._armed = weakref.ref(ddp)
+            return
         missing = [i for i in range(len(self._params)) if i not in fired]
         self.attached_last = len(missing)
         no_grad = [i for i in missing if self._params[i].grad is None]
@@ -307,15 +315,27 @@ class UnusedParameterEdges:
 # ``torch.autograd.grad`` through the outputs (an input gradient for saliency or an adversarial step, a gradient
 # penalty) runs no AccumulateGrad node, so DDP's hooks do not fire in it and the reducer waits for the loss's own
 # backward. Firing "missing" hooks there would finalize the reducer with zeros, and the real hooks after it would
-# be ignored (measured: 1.25 relative gradient error). So ``_settle`` is queued only in a graph task that will run
-# at least one of the DDP's AccumulateGrad nodes, as the engine says (asked about a leaf that ``autograd.grad``
-# differentiates for, it raises). ``backward(inputs=...)`` naming only some parameters is taken as a full
-# backward: the others would be fired (section "Limits" of the fix document).
-def _accumulates_into(nodes: list) -> bool:
-    try:
-        return any(torch._C._will_engine_execute_node(n) for n in nodes)
+# be ignored (measured: 1.25 relative gradient error). So no settle is queued in ``autograd.grad`` (the engine,
+# asked about a leaf it does not differentiate for there, raises), and a settle queued in a ``backward()`` acts
+# only if some AccumulateGrad of the DDP's parameters ran during it, nested graph tasks included: a
+# ``backward(inputs=[x])`` for an input gradient runs none, while a custom reentrant checkpoint (Unsloth's
+# offloading Function) runs them all in nested backwards that the outer graph cannot see (its forward ran under
+# no_grad), and must be settled at the END of the outer backward, never at the end of a nested one (settled there,
+# the reducer finalized with the other layers' hooks still to come: ranks drifted apart silently, unsloth#3713).
+# Where nothing ran, the forward's reduction is still to come: armed again. ``backward(inputs=...)`` naming only
+# some parameters is taken as a full backward: the others would be fired (section "Limits" of the fix document).
+def _reducer_prepared(ddp: nn.Module) -> bool:
+    """Whether the last forward prepared DDP's reducer for a reduction (NOTE [One collective per reduction, on
+    every rank])."""
+    return bool(getattr(ddp, "require_forward_param_sync", ddp.require_backward_grad_sync))
+
+
+def _in_autograd_grad(nodes: list) -> bool:
+    try:  # any one leaf tells: the engine raises for every leaf while it runs autograd.grad()
+        torch._C._will_engine_execute_node(nodes[0]) if nodes else None
     except RuntimeError:  # "A leaf node was passed ... but we are currently running autograd.grad()"
-        return False
+        return True
+    return False
 
 
 class _Recorder:

@@ -92,11 +92,14 @@ def _plans(pattern: str, world: int) -> list[list]:
 
 
 def protocol_case(pattern: str, patched: bool, net: dict, ddp_kwargs: dict | None = None, accum: int = 1,
-                  comm_hook: bool = False, manual_finalize: bool = False) -> dict:
+                  comm_hook: bool = False, manual_finalize: bool = False, no_sync_around: str = "both") -> dict:
     """``accum``: each step's batch runs ``accum`` times, all but the last under ``no_sync`` (the reference is
     then ``accum`` times the step's gradient); ``comm_hook``: DDP's fp16 compression hook (gradients rounded);
     ``manual_finalize``: torch >= 2.15's ``require_manual_backward_finalization``, ``finalize_backward()`` after
-    each synced backward."""
+    each synced backward; ``no_sync_around``: what ``no_sync()`` wraps in the accumulation micro-steps: "both",
+    "forward" (DDP then reduces nothing there: local accumulation) or "backward" (the synced forward prepared a
+    reduction, which DDP then runs: each micro-step averaged; once a peer joined, the accumulated gradient is
+    averaged again, so only the unpatched run is the reference)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,8 +131,17 @@ def protocol_case(pattern: str, patched: bool, net: dict, ddp_kwargs: dict | Non
             for it, (loss_fn, flag) in enumerate(plans[rank]):
                 x = _batch(rank, it, flag)
                 for _ in range(accum - 1):
-                    with ddp.no_sync():
-                        loss_fn(ddp, x).backward()
+                    if no_sync_around == "both":
+                        with ddp.no_sync():
+                            loss_fn(ddp, x).backward()
+                    elif no_sync_around == "forward":
+                        with ddp.no_sync():
+                            loss = loss_fn(ddp, x)
+                        loss.backward()
+                    else:
+                        loss = loss_fn(ddp, x)
+                        with ddp.no_sync():
+                            loss.backward()
                 loss_fn(ddp, x).backward()
                 if manual_finalize:
                     ddp.finalize_backward()
@@ -142,7 +154,7 @@ def protocol_case(pattern: str, patched: bool, net: dict, ddp_kwargs: dict | Non
         for it in range(len(plans[rank]), max(len(p) for p in plans)):
             reference_step(it)
     final = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    return {"errors": errors, "none_ok": none_ok, "final": final}
+    return {"errors": errors, "none_ok": none_ok, "final": final, "params": [p.detach() for p in model.parameters()]}
 
 
 def _assert_matches_reference(results: list, tolerance: float = 1e-12) -> None:
@@ -171,6 +183,22 @@ def test_with_accumulation_comm_hooks_and_static_graph(pool, pattern, variant, p
               "static_graph": {"ddp_kwargs": {"static_graph": True}}}[variant]
     results = pool.run(protocol_case, timeout=60, pattern=pattern, patched=patched, net={"branch": False}, **kwargs)
     _assert_matches_reference(results, tolerance=2e-3 if variant == "comm_hook" else 1e-12)
+
+
+@pytest.mark.parametrize("no_sync_around", ["forward", "backward"])
+@pytest.mark.parametrize("patched", [False, True])
+def test_join_with_no_sync_around_the_forward_or_the_backward_only(pool, no_sync_around, patched):
+    """Whether a backward reduces is decided by its forward (found by review: deciding at the end of the backward
+    made the ranks disagree under Join, a gloo size mismatch)."""
+    results = pool.run(protocol_case, timeout=60, pattern="join", patched=patched, net={"branch": False}, accum=2,
+                       no_sync_around=no_sync_around)
+    if no_sync_around == "forward":
+        _assert_matches_reference(results)
+    elif patched:
+        unpatched = pool.run(protocol_case, timeout=60, pattern="join", patched=False, net={"branch": False},
+                             accum=2, no_sync_around=no_sync_around)
+        for got, want in zip(results, unpatched):
+            assert all(torch.equal(a, b) for a, b in zip(got["params"], want["params"])), (got, want)
 
 
 @pytest.mark.parametrize("ddp_kwargs", [{}, {"static_graph": True}])
