@@ -26,6 +26,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import os
 import struct
 import weakref
 from dataclasses import dataclass, field
@@ -129,8 +130,13 @@ def track(ddp: DDP) -> None:
                        {id(p): n for n, p in named}, [p for _, p in named], publisher=ranks[0], group_ranks=ranks)
     # The store key must be the same on the members of this DDP's group and differ from any other group's: DDPs
     # are built collectively, in the same order, by the members of their group (not by other processes).
+    # The launcher's store outlives an elastic restart (torchrun --max-restarts): the attempt is part of the key, or
+    # a rank of the new attempt reads the fingerprint the old attempt left under the same step (found by review: a
+    # false "drifted apart" ERROR after a restart, 1 of 2 runs).
     group = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
-    tracked.key_prefix = f"ddp_patches/replica/{group}/{next(_group_counters.setdefault(ranks, itertools.count()))}"
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    index = next(_group_counters.setdefault(ranks, itertools.count()))
+    tracked.key_prefix = f"ddp_patches/replica/{attempt}/{group}/{index}"
     REGISTRY.add_handle(ddp.register_forward_pre_hook(_Counter(tracked)))
     if _settings.on_unsynced != "off":
         hook = _Written(tracked)

@@ -715,3 +715,48 @@ def zero_redundancy(steps: int = 3, one_tensor: bool = False) -> dict:
 def test_zero_redundancy_optimizer_is_silent(pool, one_tensor):
     for r in pool.run(zero_redundancy, one_tensor=one_tensor):
         assert r["all"] == [] and r["in_sync"], r["all"]
+
+
+def elastic_attempts_case() -> dict:
+    """What torchrun --max-restarts does to the guard's store keys: the launcher's store outlives the attempt, and
+    the new attempt's processes count their DDPs and steps from zero again. Attempt 0 trains two checked steps
+    with some weights; attempt 1 (a resumed run: other weights) checks its first step while rank 0 is slow to
+    publish. Rank 1 must wait for attempt 1's fingerprint, not read attempt 0's (a false "drifted apart")."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    errors = []
+    saved = {k: os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")}
+    try:
+        for attempt in range(2):
+            os.environ.update(TORCHELASTIC_RUN_ID="elastic-test", TORCHELASTIC_RESTART_COUNT=str(attempt))
+            guard._group_counters.clear()  # a new process of the new attempt counts its DDPs from zero
+            with ddp_patches.patched(on_unsynced="raise", replica_check_every=1), _Capture() as cap:
+                torch.manual_seed(100 + attempt)
+                ddp = _ddp(_mlp())
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+                for it in range(2):
+                    ddp(_batch(rank, it)).pow(2).mean().backward()
+                    if rank == 0 and attempt == 1 and it == 0:
+                        time.sleep(1.0)  # rank 1 reaches the check first and reads the store
+                    try:
+                        opt.step()
+                    except guard.ReplicaDivergenceError as exc:
+                        errors.append(str(exc))
+                    opt.zero_grad()
+                errors += cap.lines(DIVERGED)
+                in_sync = _in_sync(ddp.module)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return {"errors": errors, "in_sync": in_sync}
+
+
+def test_an_elastic_restart_does_not_read_the_previous_attempts_fingerprints(pool):
+    for r in pool.run(elastic_attempts_case):
+        assert r["in_sync"] and r["errors"] == [], r
