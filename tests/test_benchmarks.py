@@ -122,3 +122,37 @@ def test_an_exit_abort_is_told_apart_from_a_failing_rank():
     rank_raised = "Traceback (most recent call last):\nRuntimeError: marked as ready twice\n" + EXIT_ABORT_OUTPUT
     assert not aborted_only_at_exit(1, rank_raised)  # a rank's own traceback: a real failure
     assert not aborted_only_at_exit(1, EXIT_ABORT_OUTPUT.replace("SIGABRT", "SIGSEGV"))
+
+
+def test_ddp_overhead_many_tensors_quick_keeps_earlier_rows_and_times_the_hooks(tmp_path):
+    """The many-tensors configuration end to end at toy size (216 tensors, not 10,336): the worker confirms that
+    find_unused=False fails without the library, the library's hooks are timed on their own, and the Llama figures
+    of an earlier default run in the same folder are kept for the README table."""
+    sys.path.insert(0, ROOT)
+    from benchmarks import ddp_overhead
+
+    earlier = {"benchmark": "ddp_overhead", "date": "2026-01-01", "setup": {"model": "llama"}, "targets": {},
+               "median_step_s": {"unpatched": 0.4, "patched": 0.41, "patched-fu-true": 0.42},
+               "per_round_s": {"unpatched": [0.4], "patched": [0.41], "patched-fu-true": [0.42]},
+               "patched_over_unpatched": 1.025, "find_unused_cost": 1.02, "misses": []}
+    (tmp_path / "ddp_overhead.json").write_text(json.dumps(earlier))
+    proc = _run(["benchmarks/ddp_overhead.py", "--many-tensors", "--quick", "--rounds", "2",
+                 "--out-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "ddp_overhead.json").read_text())
+    assert report["patched_over_unpatched"] == 1.025 and report["carried_llama"]  # the earlier rows survive
+    section = report["configs"]["many-tensors on cpu"]
+    assert "Expected to have finished reduction" in section["fu_false_error"]
+    hooks = section["hooks"]["patched"]
+    assert hooks["calls_per_step"]["post_hooks"] == section["trainable_tensors"]  # one per parameter per step
+    assert min(hooks["settle_fired"]) > 0 and hooks["us_per_step"]["settle"] > 0  # experts idled, the settle ran
+    assert section["hooks"]["patched-fu-true"]["calls_per_step"]["settle"] == 0  # reach steps aside there
+    rows = ddp_overhead.summarize(report)
+    assert rows[0].startswith("| DDP step, patched / best unpatched") and len(rows) == 4
+    assert "trainable tensors" in rows[2] and "per-parameter hooks" in rows[3]
+    assert (tmp_path / "ddp_overhead_many-tensors_cpu.png").stat().st_size > 0
+
+
+def test_ddp_overhead_cuda_mode_refuses_without_a_gpu():
+    proc = _run(["benchmarks/ddp_overhead.py", "--config", "many-tensors", "--device", "cuda"], timeout=120)
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
