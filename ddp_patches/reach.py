@@ -123,6 +123,28 @@ class _FireHooks(torch.autograd.Function):
         return (None, *zeros)
 
 
+# NOTE [Firing many hooks at once]
+# A parameter's AccumulateGrad, given no gradient, writes nothing and calls its post-hooks, DDP's among them, which
+# calls ``reducer._autograd_hook(i)`` (i: the parameter's place in the reducer's list, ``_build_params_for_reducer``).
+# Running it through a nested backward (``_FireHooks``) cost 58 ms per step for 8,700 idle LoRA experts, plus the
+# reducer's finalize inside it (benchmarks/ddp_overhead --config many-tensors); calling the reducer's hook directly
+# does the same marking without the graph. The reducer then queues its finalize in the backward being settled,
+# ahead of the reset. Where that cannot be mapped exactly (no ``_autograd_hook``, a parameter the reducer does not
+# list), and under static graph (its first iteration learns "used" from defined gradients, so the fired hook must
+# carry a zero that AccumulateGrad writes: NOTE [Static graph needs a defined zero]), the nested backward stays.
+def _reducer_index(ddp: nn.Module, params: list) -> list[int] | None:
+    """Each of ``params``' place in the reducer's list, or None where the direct call cannot be used."""
+    reducer, build = getattr(ddp, "reducer", None), getattr(ddp, "_build_params_for_reducer", None)
+    if not hasattr(reducer, "_autograd_hook") or build is None:
+        return None
+    try:
+        place = {id(p): i for i, p in enumerate(build()[0])}  # (parameters, expect_sparse_gradient)
+    except Exception:  # noqa: BLE001 - a private helper of another shape: keep the nested backward
+        return None
+    index = [place.get(id(p)) for p in params]
+    return None if None in index or len(place) != len(params) else index
+
+
 # NOTE [Static graph needs a defined zero]
 # With static_graph=True the reducer decides in its first iteration which parameters are unused, from the
 # gradients that are *defined* when their hooks fire, and never again: a parameter first seen with an undefined
@@ -157,6 +179,7 @@ class UnusedParameterEdges:
         # while every listed parameter is trainable (a first forward under PEFT's disable_adapter() has them frozen,
         # and a frozen parameter has no gradient edge to take).
         self._nodes: list[Any] = [get_gradient_edge(p).node for p in self._params]
+        self._reducer_index = _reducer_index(ddp, self._params)  # NOTE [Firing many hooks at once]
         self._active = False
         self._armed: weakref.ref | None = None  # the DDP whose forward awaits its settle (NOTE [One collective...])
         self._pending_reset: tuple | None = None  # (indices without a gradient here, their reduced counts, world)
@@ -263,9 +286,7 @@ class UnusedParameterEdges:
                            "ddp_patches: %d trainable parameter(s) got no gradient in this backward (e.g. %s); each "
                            "fires its DDP hook once with no gradient (NOTE [Unused parameters without "
                            "find_unused_parameters] in ddp_patches/reach.py)", len(missing), self._names[missing[0]])
-            with torch.enable_grad():
-                out = _FireHooks.apply(bool(getattr(ddp, "static_graph", False)), *(self._params[i] for i in missing))
-            torch.autograd.backward(out, torch.zeros_like(out))
+            self._fire(ddp, missing)
         # Behind the reducer's finalize (queued by now, or already run in the nested backward above).
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._reset_unused_everywhere(ddp, no_grad))
 
@@ -300,6 +321,18 @@ class UnusedParameterEdges:
             self._finalized_in_backward = True
         else:
             self.apply_pending_reset()
+
+    def _fire(self, ddp: nn.Module, missing: list[int]) -> None:
+        """Each missing parameter's DDP hook, once, with no gradient (NOTE [Firing many hooks at once])."""
+        static = bool(getattr(ddp, "static_graph", False))
+        if not static and self._reducer_index is not None:
+            mark_ready = ddp.reducer._autograd_hook
+            for i in missing:
+                mark_ready(self._reducer_index[i])
+            return
+        with torch.enable_grad():
+            out = _FireHooks.apply(static, *(self._params[i] for i in missing))
+        torch.autograd.backward(out, torch.zeros_like(out))
 
     def settles(self, ddp: nn.Module) -> bool:
         """Whether a synced backward of ``ddp`` ends with the count-all-reduce: settings equal on every rank."""
