@@ -70,8 +70,9 @@ _WHY: dict[tuple[str, str], str] = {
                                   "weights (CheckpointError ... shape [0]) and TRL forces reentrant for PEFT there",
     ("checkpointing", COMPILE): "dynamo traces checkpoints as its own operator; compiled DDP trains with reentrant "
                                 "checkpoints as they are",
-    ("checkpointing", NONE): "no DistributedDataParallel forward is running (the model is not wrapped in DDP, or "
-                             "runs under an engine this library does not know)",
+    ("checkpointing", NONE): "no DistributedDataParallel forward is running around this checkpoint (the model is "
+                             "not wrapped in DDP, the checkpoint wraps the DDP itself, or an engine this library "
+                             "does not know runs it)",
 }
 
 
