@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks._common import RESULTS, finish  # noqa: E402
 
-BENCHMARKS = ("ddp_overhead", "tiled_mlp", "scaling", "offload", "max_seq", "guard")
+BENCHMARKS = ("ddp_overhead", "tiled_mlp", "tiled_layer", "scaling", "offload", "max_seq", "guard")
 START, END = "<!-- benchmarks:start -->", "<!-- benchmarks:end -->"
 HEADER = ["| benchmark | measured | target | status |", "|---|---|---|---|"]
 

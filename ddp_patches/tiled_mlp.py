@@ -22,6 +22,31 @@
 # are the same) and under the autocast state of the forward, so the gradients are those of the tensors the
 # forward produced. Each shard calls the class's original ``forward``: nothing about the MLP is re-implemented,
 # which is why it is exact for every family (gelu or silu, bias or not, PEFT/bnb layers inside).
+#
+# NOTE [Recompute ends before the tiled forward]
+# A non-reentrant checkpoint (what the library runs under DDP) recomputes its region in backward only up to the
+# region's last saved tensor: torch's early stop leaves the recompute once it has saved again as many tensors as
+# the forward did. A Function's ``save_for_backward`` is packed after its forward has returned, so while the
+# tiled Function saved its own input, a Llama layer's last save was at the end of the tiled forward and the
+# recompute ran the whole tiled forward only to throw its output away (nothing after the MLP saves it: the
+# residual add saves nothing) -- three MLP forwards per step where untiled runs two (tiny Llama, 2 layers, 1024
+# tokens, 64-token shards, one step: gate_proj ran 2 x 16 x 3 = 96 times, untiled 4; now 64). So the input is
+# saved by a node of its own, ``SaveMLPInput``, an identity (a view) applied just before; the tiled Function
+# saves nothing and its backward reads the input through that node's ``saved_tensors`` (the node, the view's
+# ``grad_fn``, is passed in as ``input_node``). Where nothing after the MLP saves, that save is the region's last
+# and the recompute stops there, before the tiled forward: the MLP runs in the forward and once more, shard by
+# shard, in the tiled backward -- as often as untiled. Where something after the MLP saves what it computes from
+# the output (Gemma's post-feedforward norm), the recompute runs on through the tiled forward, as it must; with
+# early stop off (``set_checkpoint_early_stop(False)``) torch runs every region to its end, the tiled forward
+# included, as before (nothing public tells a Function that its output will go unused).
+# Reading another node's saved tensors is sound here: the identity's output feeds only the tiled node, so the
+# engine runs the tiled backward first and the identity's after it, and a node's saved tensors are released only
+# after its own backward (kept under retain_graph); the identity's backward passes the gradient through without
+# reading them, so a checkpointed tensor is still unpacked once per backward, as the checkpoint requires. The
+# gradients are those of before, bit for bit: the same input, the same shard replay, dx passed on untouched.
+# A Function none of whose inputs requires grad records no node and saves nothing, so when the MLP input does not
+# require grad (a frozen first layer) an empty leaf that does (``anchor``) makes the identity a node; ``want_x``
+# then keeps dx uncomputed and the anchor gets no gradient.
 """
 
 from __future__ import annotations
@@ -74,14 +99,38 @@ def shard_sizes(rows: int, hidden: int, shard_tokens: int | None) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(count)]
 
 
+class SaveMLPInput(torch.autograd.Function):
+    """``x2d -> x2d`` (a view) that saves ``x2d`` for the TiledMLPFunction applied to its output, which reads it
+    from this node in its backward. NOTE [Recompute ends before the tiled forward]. ``anchor``: an empty leaf
+    that requires grad, passed only when ``x2d`` does not, so that this node is recorded (and saves) at all."""
+
+    @staticmethod
+    def forward(ctx, x2d: torch.Tensor, *anchor: torch.Tensor):
+        ctx.anchors = len(anchor)
+        ctx.set_materialize_grads(False)  # a frozen input gets None from the tiled backward: no zeros made
+        ctx.save_for_backward(x2d)
+        return x2d.view_as(x2d)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        # Pass-through. Its saved input is never read here: the tiled backward, which runs first, read it (under
+        # a non-reentrant checkpoint a saved tensor can be unpacked once per backward).
+        return (grad, *([None] * ctx.anchors))
+
+
 class TiledMLPFunction(torch.autograd.Function):
     """``out = cat(forward_fn(shard) for shard in x2d.split(rows))`` with the backward of NOTE [Why the
     parameters are inputs of the Function]. ``params`` are exactly the trainable parameters ``forward_fn`` uses.
+    ``x2d`` is the output of ``SaveMLPInput`` and ``input_node`` that node (its ``grad_fn``): this Function saves
+    nothing and reads the input from there (NOTE [Recompute ends before the tiled forward]); ``want_x`` is
+    whether the MLP's input itself requires grad (``x2d`` may only because of the anchor).
     """
 
     @staticmethod
-    def forward(ctx, forward_fn: Callable, rows: list[int], x2d: torch.Tensor, *params: torch.Tensor):
+    def forward(ctx, forward_fn: Callable, rows: list[int], input_node, want_x: bool, x2d: torch.Tensor,
+                *params: torch.Tensor):
         ctx.forward_fn, ctx.rows, ctx.params = forward_fn, rows, params
+        ctx.input_node, ctx.want_x = input_node, want_x
         ctx.autocast = _autocast_state(x2d.device.type)
         ctx.rng_states = []
         out, start = None, 0
@@ -92,14 +141,13 @@ class TiledMLPFunction(torch.autograd.Function):
                 out = y.new_empty((x2d.shape[0], y.shape[-1]))
             out[start:start + shard.shape[0]] = y
             start += shard.shape[0]
-        ctx.save_for_backward(x2d)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (x2d,) = ctx.saved_tensors
-        want_x = ctx.needs_input_grad[2]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        (x2d,) = ctx.input_node.saved_tensors  # it has not run its backward yet: it comes after this node
+        want_x = ctx.want_x and ctx.needs_input_grad[4]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
         dx = torch.empty_like(x2d) if want_x else None
         grads: list[torch.Tensor | None] = [None] * len(ctx.params)
         start = 0
@@ -119,7 +167,17 @@ class TiledMLPFunction(torch.autograd.Function):
         for i in wanted:  # a parameter no shard used still gets a gradient: zeros, as the untiled graph's
             if grads[i] is None:
                 grads[i] = torch.zeros_like(ctx.params[i])
-        return (None, None, dx, *grads)
+        return (None, None, None, None, dx, *grads)
+
+
+def apply_tiled(forward_fn: Callable, rows: list[int], x2d: torch.Tensor,
+                params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tiled MLP on ``x2d`` (tokens x hidden): its input saved by a SaveMLPInput node placed before the
+    TiledMLPFunction, which saves nothing (NOTE [Recompute ends before the tiled forward])."""
+    want_x = x2d.requires_grad
+    anchor = () if want_x else (torch.empty(0, device=x2d.device, requires_grad=True),)
+    saved = SaveMLPInput.apply(x2d, *anchor)
+    return TiledMLPFunction.apply(forward_fn, rows, saved.grad_fn, want_x, saved, *params)
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -149,10 +207,12 @@ def _autocast_state(device_type: str) -> tuple:
 
 
 def _make_tiled_forward(original_forward: Callable) -> Callable:
-    def forward(self, x, *args, **kwargs):
-        if args or kwargs or _settings["untiled"] or not torch.is_grad_enabled() or not is_distributed() \
+    def forward(self, *args, **kwargs):  # any call the original accepts passes through; only forward(x) tiles
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or _settings["untiled"] \
+                or not torch.is_grad_enabled() or not is_distributed() \
                 or engines.compiling():  # under dynamo: silent (a log call breaks the graph); NOTE [Engines]
-            return original_forward(self, x, *args, **kwargs)
+            return original_forward(self, *args, **kwargs)
+        x = args[0]
         engine = engines.of_module(self)
         if not engines.acts("tiled_mlp", engine):
             engines.step_aside("tiled_mlp", engine)
@@ -166,34 +226,38 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
             return original_forward(self, x)
         _counts["tiled_calls"] += 1
         _counts["shards"] += len(sizes)
-        out = TiledMLPFunction.apply(lambda shard: original_forward(self, shard), sizes,
-                                     x.reshape(rows, hidden), *params)
+        out = apply_tiled(lambda shard: original_forward(self, shard), sizes, x.reshape(rows, hidden), params)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     return forward
 
 
 # NOTE [When tiling pays]
-# Tiling costs a second forward of each shard (the recompute in backward) and per-shard overhead; what it buys is
-# that only one shard's intermediate activations ([shard, intermediate] x 3) are alive at a time. Measured on CPU
-# (benchmarks/tiled_mlp.py, H=1024, I=4096, 2 ranks), tiled/untiled time was 1.55x at 2 shards (2K tokens),
-# 1.24x at 4, 1.06x at 8, 1.01x at 32, with 2.2x, 4.0x, 6.7x and 10.5x less memory. So by default a call is
-# tiled only from AUTO_MIN_SHARDS ALST shards (tokens >= 8 x hidden) on, and runs untiled below, where the
-# memory it would save is small and the time is not. ``tiled_mlp_shard_tokens`` is the user's explicit choice
-# and is always honoured.
+# Tiling costs a second forward of each shard (the replay in backward; inside a checkpoint it stands in for the
+# checkpoint's own recompute of the MLP, NOTE [Recompute ends before the tiled forward]) and per-shard overhead;
+# what it buys is that only one shard's intermediate activations ([shard, intermediate] x 3) are alive at a time.
+# Measured on CPU (benchmarks/tiled_mlp.py, H=1024, I=4096, 2 ranks), tiled/untiled time was 1.55x at 2 shards
+# (2K tokens), 1.24x at 4, 1.06x at 8, 1.01x at 32, with 2.2x, 4.0x, 6.7x and 10.5x less memory. So by default a
+# call is tiled only from AUTO_MIN_SHARDS ALST shards (tokens >= 8 x hidden) on, and runs untiled below, where
+# the memory it would save is small and the time is not. ``tiled_mlp_shard_tokens`` is the user's explicit
+# choice and is always honoured.
 def _pays(sizes: list[int]) -> bool:
     return _settings["shard_tokens"] is not None or len(sizes) >= AUTO_MIN_SHARDS
 
 
 # NOTE [MLPs found by structure]
 # No list of families: a module is a gated MLP when it has ``gate_proj``, ``up_proj`` and ``down_proj`` children
-# and a ``forward(x)`` that maps [..., H] -> [..., H] row by row. The first two are read from the instance; the
-# last is proven once per class at its first distributed call by a probe (4 rows through the original forward,
-# whole and split in two, under no_grad, dropout off and a forked RNG, so it changes nothing): a class whose
-# output has another shape or mixes tokens is left untiled and logged with the reason. Candidate classes are
-# found three ways, so a model is reached whenever it was built: at apply() among the nn.Module classes already
-# imported (their ``__init__`` assigns the three names), when a transformers model finishes ``post_init``
-# (models built after apply(); FSDP2 and DeepSpeed never call DDP's __init__), and when DDP wraps a module.
+# and a ``forward(x)`` that maps [..., H] -> [..., H] row by row. The first two are read from the instance's own
+# children: a wrapper whose ``__getattr__`` reaches into what it wraps (PeftModel and LoraModel around a bare MLP,
+# FSDP1, torch.compile's module) is no MLP, and patching its class would reach every instance of it (a PeftModel
+# around a language model, called with keyword arguments, failed so). The last is proven once per class at its
+# first distributed call by a probe (4 rows through the original forward, whole and split in two, under no_grad,
+# dropout off and a forked RNG, so it changes nothing): a class whose output has another shape or mixes tokens is
+# left untiled and logged with the reason. Any other call (more arguments, keywords) runs the original forward.
+# Candidate classes are found three ways, so a model is reached whenever it was built: at apply() among the
+# nn.Module classes already imported (their ``__init__`` assigns the three names), when a transformers model
+# finishes ``post_init`` (models built after apply(); FSDP2 and DeepSpeed never call DDP's __init__), and when DDP
+# wraps a module.
 def _verdict(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> str | None:
     cls = type(module)
     if cls not in _verdicts:
@@ -211,7 +275,8 @@ def _verdict(module: torch.nn.Module, x: torch.Tensor, original_forward: Callabl
 
 
 def _structure_problem(module: torch.nn.Module) -> str | None:
-    missing = [n for n in _GATED if not isinstance(getattr(module, n, None), torch.nn.Module)]
+    children = vars(module).get("_modules") or {}  # its own: not what a wrapper's __getattr__ reaches inside
+    missing = [n for n in _GATED if not isinstance(children.get(n), torch.nn.Module)]
     return f"no {'/'.join(missing)} submodule" if missing else None
 
 
