@@ -144,7 +144,9 @@ def test_ddp_overhead_many_tensors_quick_keeps_earlier_rows_and_times_the_hooks(
     section = report["configs"]["many-tensors on cpu"]
     assert "Expected to have finished reduction" in section["fu_false_error"]
     hooks = section["hooks"]["patched"]
-    assert hooks["calls_per_step"]["post_hooks"] == section["trainable_tensors"]  # one per parameter per step
+    # One post-hook per parameter that got a gradient; the idle ones are marked ready through the reducer's own
+    # hook (NOTE [Firing many hooks at once] in reach.py), so together they are every parameter, once.
+    assert hooks["calls_per_step"]["post_hooks"] + hooks["settle_fired"][0] == section["trainable_tensors"]
     assert min(hooks["settle_fired"]) > 0 and hooks["us_per_step"]["settle"] > 0  # experts idled, the settle ran
     assert section["hooks"]["patched-fu-true"]["calls_per_step"]["settle"] == 0  # reach steps aside there
     rows = ddp_overhead.summarize(report)
