@@ -396,7 +396,7 @@ class _JoinShadow(JoinHook):
     def main_hook(self) -> None:
         self.inner.main_hook()
         # DDP's main_hook has just learnt from the peers' forward whether they synchronise this backward.
-        if self.ddp.require_forward_param_sync and self.edges.settles(self.ddp):
+        if _reducer_prepared(self.ddp) and self.edges.settles(self.ddp):
             self.edges.shadow_in_join(self.ddp)
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -438,11 +438,12 @@ def patch_finalize_backward() -> list[str]:
     return ["DistributedDataParallel.finalize_backward"]
 
 
-def patch_join_hook() -> None:
+def patch_join_hook() -> list[str]:
     """``DistributedDataParallel.join_hook`` also shadows the count-all-reduce on a joined rank."""
     from torch.nn.parallel import DistributedDataParallel
 
     REGISTRY.install(DistributedDataParallel, "join_hook", _patched_join_hook)
+    return ["DistributedDataParallel.join_hook"]
 
 
 def _is_graph_output(t: Any) -> bool:

@@ -357,8 +357,7 @@ def install() -> list[str]:
         return []
     _patch_ddp_init()
     _watch_registrations()
-    reach.patch_join_hook()
-    targets = [TARGETS[0], "DistributedDataParallel.join_hook", *reach.patch_finalize_backward()]
+    targets = [TARGETS[0], *reach.patch_join_hook(), *reach.patch_finalize_backward()]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()
