@@ -4,6 +4,8 @@ on CPU, with the MLP alone at the same shape beside them.
     python benchmarks/tiled_layer.py                   # H=128, I=512, 2 heads, 2 layers, 8K..32K tokens, 3 rounds
     python benchmarks/tiled_layer.py --tokens 8192 --rounds 5
     python benchmarks/tiled_layer.py --smoke           # small sizes: checks the script only
+    python benchmarks/tiled_layer.py --device cuda --hidden 4096 --intermediate 14336 --heads 32 --kv-heads 8 \
+        --tokens 8192 16384 32768                      # Llama-8B-shaped, bf16, both ranks on the one GPU (gloo)
 
 It starts 2 gloo ranks itself (torch.distributed.run); each rank has 1 torch thread. A Llama-shaped model (SDPA
 attention, LoRA r=8 on every projection, non-reentrant checkpointing as the library runs it under DDP) is timed
@@ -37,7 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks._common import finish, launch_ranks, leave_group, peak_bytes, plot_pair  # noqa: E402
+from benchmarks._common import cuda_peak_bytes, finish, launch_ranks, leave_group, peak_bytes, plot_pair  # noqa: E402
 
 NAME = "tiled_layer"
 TOKENS = [8192, 16384, 32768]
@@ -54,7 +56,7 @@ def _config(args):
 
     return AutoConfig.for_model("llama", vocab_size=args.vocab, hidden_size=args.hidden,
                                 intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                                num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                                num_attention_heads=args.heads, num_key_value_heads=args.kv_heads or args.heads,
                                 max_position_embeddings=max(args.tokens), tie_word_embeddings=False)
 
 
@@ -78,7 +80,7 @@ def _build_layer(config):
             self.rotary = LlamaRotaryEmbedding(config)
 
         def forward(self, h):
-            positions = torch.arange(h.shape[1]).unsqueeze(0)
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
             rope = self.rotary(h, positions)
             return checkpoint(self.layer, h, position_embeddings=rope, position_ids=positions, attention_mask=None,
                               use_reentrant=False)
@@ -115,9 +117,11 @@ def worker(args) -> None:
     ddp_patches.apply(tiled_mlp=True)
     config = _config(args)
     models = {}
+    device, dtype = _device_dtype(args)
     for kind, build in (("layer", _build_layer), ("step", _build_lm), ("mlp", _build_mlp)):
         torch.manual_seed(0)
-        models[kind] = DDP(_lora(build(config)))
+        with torch.device(device):
+            models[kind] = DDP(_lora(build(config).to(dtype)))
     rows = [_measure(models, args, tokens) for tokens in args.tokens]
     if dist.get_rank() == 0:
         with open(args.worker_out, "w") as f:
@@ -126,16 +130,27 @@ def worker(args) -> None:
     leave_group()
 
 
+def _device_dtype(args):
+    import torch
+
+    if args.device != "cuda":
+        return "cpu", torch.float32
+    if not torch.cuda.is_available():
+        raise SystemExit("tiled_layer --device cuda needs a CUDA GPU (torch.cuda.is_available() is False here)")
+    return "cuda:0", torch.bfloat16  # both ranks share the one GPU; gloo all-reduces through host copies
+
+
 def _steps(models, args, tokens: int) -> dict:
     """One zero-argument callable per kind: a forward + backward (+ optimizer step for ``step``) on this rank's
     data."""
     import torch
     import torch.distributed as dist
 
+    device, dtype = _device_dtype(args)
     g = torch.Generator().manual_seed(dist.get_rank())
-    h = torch.randn(1, tokens, args.hidden, generator=g)
-    grad = torch.randn(1, tokens, args.hidden, generator=g)
-    ids = torch.randint(0, args.vocab, (1, tokens), generator=g)
+    h = torch.randn(1, tokens, args.hidden, generator=g).to(device, dtype)
+    grad = torch.randn(1, tokens, args.hidden, generator=g).to(device, dtype)
+    ids = torch.randint(0, args.vocab, (1, tokens), generator=g).to(device)
     opt = torch.optim.AdamW([p for p in models["step"].parameters() if p.requires_grad], lr=1e-5)
 
     def layer():
@@ -162,14 +177,21 @@ def _measure(models, args, tokens: int) -> list:
 
     from ddp_patches import tiled_mlp
 
+    import torch
+
     steps = _steps(models, args, tokens)
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    peak = cuda_peak_bytes if cuda else peak_bytes
 
     def timed(fn, tiled: bool) -> tuple[float, float]:
         """Wall seconds, and this process's CPU seconds (all its threads): what preemption by other work on a
         shared machine does not inflate."""
         with _variant(tiled):
+            sync()
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
+            sync()
             return time.perf_counter() - wall, time.process_time() - cpu
 
     for kind in ("layer", "step"):  # warm-up: allocator, first-call probes, lazy inits
@@ -184,11 +206,13 @@ def _measure(models, args, tokens: int) -> list:
     for kind in KINDS:
         for tiled in (False, True):
             with _variant(tiled):
-                peaks[kind, tiled] = peak_bytes(steps[kind])
-    before = tiled_mlp.counts()["tiled_calls"]
+                peaks[kind, tiled] = peak(steps[kind])
+    before = tiled_mlp.counts()
     timed(steps["layer"], True)
-    row = {"tokens": tokens, "tiles": tiled_mlp.counts()["tiled_calls"] > before,
-           "shards": len(tiled_mlp.shard_sizes(tokens, args.hidden, None))}
+    after = tiled_mlp.counts()
+    calls = after["tiled_calls"] - before["tiled_calls"]
+    row = {"tokens": tokens, "tiles": calls > 0,
+           "shards": (after["shards"] - before["shards"]) // calls if calls else 1}
     for (kind, tiled), values in times.items():
         variant = "tiled" if tiled else "untiled"
         row[f"{kind}_s_{variant}"] = statistics.median(wall for wall, _ in values)
@@ -211,14 +235,16 @@ def _variant(tiled: bool):
 
 # -- the launcher ----------------------------------------------------------------------------------------------------
 def run(quick: bool = False, *, tokens: list[int] | None = None, hidden: int = 128, intermediate: int = 512,
-        heads: int = 2, layers: int = 2, vocab: int = 256, rounds: int | None = None, threads: int = 1) -> dict:
+        heads: int = 2, layers: int = 2, vocab: int = 256, rounds: int | None = None, threads: int = 1,
+        kv_heads: int | None = None, device: str = "cpu") -> dict:
     """Tiled and untiled side by side on 2 gloo ranks; one row per token count (rank 0's numbers, all kept)."""
     tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
     rounds = rounds or (1 if quick else 3)
     per_token = launch_ranks(os.path.abspath(__file__), 2, [
         "--hidden", str(hidden), "--intermediate", str(intermediate), "--heads", str(heads), "--layers", str(layers),
         "--vocab", str(vocab), "--rounds", str(rounds), "--threads", str(threads),
-        "--tokens", *map(str, tokens)], threads=threads)
+        "--kv-heads", str(kv_heads or heads), "--device", device,
+        "--tokens", *map(str, tokens)], threads=threads, cuda=device == "cuda")
     rows = []
     for ranks in per_token:
         r0 = dict(ranks[0])
@@ -233,10 +259,11 @@ def run(quick: bool = False, *, tokens: list[int] | None = None, hidden: int = 1
         rows.append(r0)
     return {
         "benchmark": NAME,
-        "setup": {"hidden": hidden, "intermediate": intermediate, "heads": heads, "layers": layers, "vocab": vocab,
-                  "lora_r": 8, "ranks": 2, "device": "cpu", "dtype": "float32", "attention": "sdpa",
+        "setup": {"hidden": hidden, "intermediate": intermediate, "heads": heads, "kv_heads": kv_heads or heads,
+                  "layers": layers, "vocab": vocab, "lora_r": 8, "ranks": 2, "device": device,
+                  "dtype": "bfloat16" if device == "cuda" else "float32", "attention": "sdpa",
                   "checkpointing": "non-reentrant", "backend": "gloo", "threads_per_rank": threads,
-                  "rounds": rounds, "shard_rule": "ceil(T/H)"},
+                  "rounds": rounds, "shard_rule": "bytes: min(ceil(5I/H), T//H)"},
         "targets": {"time_ratio_max": TIME_TARGET, "mlp_memory": MEMORY_TARGETS},
         "rows": rows,
     }
@@ -289,8 +316,9 @@ def summarize(report: dict) -> list[str]:
     out = []
     for r in report["rows"]:
         target = f"<= {TIME_TARGET}x time" + (f", >= {r['mem_target']:g}x MLP memory" if r["mem_target"] else "")
-        out.append(f"| tiled MLP in a checkpointed layer / training step, {r['tokens']} tokens (CPU, 2 ranks, "
-                   f"H={setup['hidden']}, {setup['layers']} layers) | layer {r['layer_time_ratio']:.3f}x, step "
+        where = "CUDA, bf16" if setup.get("device") == "cuda" else "CPU"
+        out.append(f"| tiled MLP in a checkpointed layer / training step, {r['tokens']} tokens ({where}, 2 ranks, "
+                   f"H={setup['hidden']}, {setup['layers']} layers, {r['shards']} shards) | layer {r['layer_time_ratio']:.3f}x, step "
                    f"{r['step_time_ratio']:.3f}x time (CPU time {r['layer_cpu_ratio']:.3f}x, "
                    f"{r['step_cpu_ratio']:.3f}x); {r['mlp_mem_ratio']:.2f}x less MLP memory (layer "
                    f"{r['layer_mem_ratio']:.2f}x, step {r['step_mem_ratio']:.2f}x) | {target} | "
@@ -304,6 +332,9 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: bf16, both ranks on cuda:0 over gloo (needs a GPU)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds (default 3; --quick 1)")
@@ -319,7 +350,8 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     report = run(args.quick, tokens=args.tokens, hidden=args.hidden, intermediate=args.intermediate,
-                 heads=args.heads, layers=args.layers, vocab=args.vocab, rounds=args.rounds, threads=args.threads)
+                 heads=args.heads, layers=args.layers, vocab=args.vocab, rounds=args.rounds, threads=args.threads,
+                 kv_heads=args.kv_heads, device=args.device)
     finish(sys.modules[__name__], report, args.out_dir)
     return 0
 

@@ -80,9 +80,9 @@ def apply(
         tiled_mlp: under DDP or FSDP2, run every gate/up/down MLP (found by structure on the model, any
             family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward that
             fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
-        tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: ceil(tokens /
-            hidden_size) shards, and a call tiles only from 8 shards on (NOTE [When tiling pays]). Used with
-            ``tiled_mlp``.
+        tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: the rule by bytes,
+            min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2 (NOTE [Tiling by
+            bytes]). Used with ``tiled_mlp``.
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the

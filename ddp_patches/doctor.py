@@ -97,8 +97,8 @@ def would_change(tiled_mlp: bool = False, offload: bool = False) -> list[str]:
     else:
         changes.append("offload of checkpoint inputs: off (opt-in, apply(offload=True): proven on one H100 so far)")
     if tiled_mlp:
-        changes.append("gate/up/down MLPs (found by structure, any family): tiled along the tokens from 8 x hidden "
-                       "tokens per call on")
+        changes.append("gate/up/down MLPs (found by structure, any family): tiled along the tokens from 2 x hidden "
+                       "tokens per call on, in shards decided by bytes")
     return changes
 
 

@@ -55,6 +55,7 @@ import contextlib
 import logging
 import math
 import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -66,13 +67,15 @@ from .distributed import is_distributed, log_rank0_once
 logger = logging.getLogger("ddp_patches")
 
 _GATED = ("gate_proj", "up_proj", "down_proj")
-# The automatic rule tiles a call only from this many ALST shards on (tokens >= 8 x hidden); below it the call
-# runs untiled. NOTE [When tiling pays].
-AUTO_MIN_SHARDS = 8
+# NOTE [Tiling by bytes]: what an untiled gated MLP keeps for its backward, per token, in [tokens, intermediate]
+# tensors (measured with saved-tensor hooks on a LoRA'd LlamaMLP: 4.75 -- gate_proj's and up_proj's outputs, the
+# activation's, their product, down_proj's input).
+SAVED_PER_TOKEN = 5
 
 _settings: dict = {"shard_tokens": None, "untiled": 0}
 _verdicts: dict[type, str | None] = {}  # class -> None (tiles) or why not; decided at its first call
 _counts = {"tiled_calls": 0, "shards": 0}
+_measured_intermediate: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 def counts() -> dict:
@@ -90,13 +93,28 @@ def untiled():
         _settings["untiled"] -= 1
 
 
-def shard_sizes(rows: int, hidden: int, shard_tokens: int | None) -> list[int]:
-    """Rows per shard: at most ``shard_tokens`` each, or, when None, ceil(rows / hidden) shards (the ALST rule:
-    one shard's intermediate activations are then no larger than the layer's hidden states). Even split."""
-    per = shard_tokens if shard_tokens is not None else max(hidden, 1)
-    count = max(1, math.ceil(rows / per))
+def shard_sizes(rows: int, hidden: int, shard_tokens: int | None, intermediate: int | None = None) -> list[int]:
+    """Rows per shard, evenly split: at most ``shard_tokens`` each, or, when None, as many shards as
+    ``auto_shards`` decides from the bytes (NOTE [Tiling by bytes]; ``intermediate`` is then needed)."""
+    if shard_tokens is not None:
+        count = max(1, math.ceil(rows / shard_tokens))
+    elif intermediate is None:
+        raise TypeError("tiled_mlp.shard_sizes: the automatic rule (shard_tokens=None) decides by bytes and needs "
+                        "intermediate= (the MLP's intermediate size, gate_proj's output features)")
+    else:
+        count = auto_shards(rows, hidden, intermediate)
     base, extra = divmod(rows, count)
     return [base + (1 if i < extra else 0) for i in range(count)]
+
+
+def auto_shards(rows: int, hidden: int, intermediate: int) -> int:
+    """Shards for a call of ``rows`` tokens (1: untiled). NOTE [Tiling by bytes]."""
+    if hidden <= 0 or intermediate <= 0:
+        return 1
+    need = math.ceil(SAVED_PER_TOKEN * intermediate / hidden)  # a shard's intermediates <= the call's hidden states
+    most = rows // hidden  # no shard under hidden_size tokens: no finer than ALST
+    count = min(need, most)
+    return count if count >= 2 else 1
 
 
 class SaveMLPInput(torch.autograd.Function):
@@ -206,6 +224,19 @@ def _autocast_state(device_type: str) -> tuple:
     return (device_type, enabled, dtype, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
 
 
+def _long_enough(rows: int, hidden: int) -> bool:
+    """Could this call tile at all? (Before the probe and before I is read.)"""
+    shard_tokens = _settings["shard_tokens"]
+    return rows > shard_tokens if shard_tokens is not None else rows // max(hidden, 1) >= 2
+
+
+def _plan(module: torch.nn.Module, x: torch.Tensor, rows: int, hidden: int) -> list[int]:
+    shard_tokens = _settings["shard_tokens"]
+    if shard_tokens is not None:
+        return shard_sizes(rows, hidden, shard_tokens)
+    return shard_sizes(rows, hidden, None, _intermediate(module, x))
+
+
 def _make_tiled_forward(original_forward: Callable) -> Callable:
     def forward(self, *args, **kwargs):  # any call the original accepts passes through; only forward(x) tiles
         if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or _settings["untiled"] \
@@ -219,10 +250,12 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
             return original_forward(self, x)
         hidden = x.shape[-1]
         rows = x.numel() // hidden if hidden else 0
-        sizes = shard_sizes(rows, hidden, _settings["shard_tokens"])
         params = tuple(p for p in self.parameters() if p.requires_grad)
-        if len(sizes) == 1 or not (params or x.requires_grad) or not _pays(sizes) \
+        if not (params or x.requires_grad) or not _long_enough(rows, hidden) \
                 or _verdict(self, x, original_forward) is not None:
+            return original_forward(self, x)
+        sizes = _plan(self, x, rows, hidden)
+        if len(sizes) == 1:
             return original_forward(self, x)
         _counts["tiled_calls"] += 1
         _counts["shards"] += len(sizes)
@@ -232,17 +265,40 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
     return forward
 
 
-# NOTE [When tiling pays]
-# Tiling costs a second forward of each shard (the replay in backward; inside a checkpoint it stands in for the
-# checkpoint's own recompute of the MLP, NOTE [Recompute ends before the tiled forward]) and per-shard overhead;
-# what it buys is that only one shard's intermediate activations ([shard, intermediate] x 3) are alive at a time.
-# Measured on CPU (benchmarks/tiled_mlp.py, H=1024, I=4096, 2 ranks), tiled/untiled time was 1.55x at 2 shards
-# (2K tokens), 1.24x at 4, 1.06x at 8, 1.01x at 32, with 2.2x, 4.0x, 6.7x and 10.5x less memory. So by default a
-# call is tiled only from AUTO_MIN_SHARDS ALST shards (tokens >= 8 x hidden) on, and runs untiled below, where
-# the memory it would save is small and the time is not. ``tiled_mlp_shard_tokens`` is the user's explicit
+# NOTE [Tiling by bytes]
+# What tiling buys is bytes: untiled, a gated MLP keeps about SAVED_PER_TOKEN [tokens, intermediate] tensors for
+# its backward (4.75 measured), 17.5 hidden-state tensors' worth for Llama-8B's I = 3.5 H, while the rest of a
+# decoder layer keeps about 7 (6.6 measured for an SDPA Llama layer with LoRA: norms, q/k/v, attention output,
+# o_proj's input, the residual). So untiled, the MLP is most of the layer's working set -- the part a checkpointed
+# layer rebuilds in backward, on top of every layer's checkpoint input. What tiling costs is per-shard overhead
+# (a replay in backward replaces the checkpoint's own recompute, NOTE [Recompute ends before the tiled forward])
+# and matmuls on fewer rows. The automatic rule tiles just enough that the MLP stops mattering and no finer:
+#   * shards = ceil(SAVED_PER_TOKEN x I / H): one shard's intermediates are then no larger than the call's hidden
+#     states, so the MLP adds at most about one hidden-state tensor to the layer (7 -> about 8 instead of 24.5),
+#     at every length; more shards could save at most that one tensor more;
+#   * no shard under hidden_size tokens (rows // H shards at most): a shard's intermediates then outweigh the
+#     gate/up/down weights its matmuls read, which keeps them compute-bound; this is ALST's own shard size, so the
+#     rule is never finer than ALST's;
+#   * fewer than 2 shards: untiled.
+# For Llama-8B (H 4096, I 14336): 18 shards wanted; 2 at 8K tokens, 4 at 16K, 8 at 32K (as ALST), 18 from 72K on
+# (ALST ceil(T/H): 32 at 128K, 128 at 512K; axolotl ceil(T/32768): 1 up to 32K, 4 at 128K, 16 at 512K). Coarser
+# than ALST where the bytes do not need more, as axolotl found pays (3.2x faster than ALST's rule at 64K-256K);
+# finer than axolotl below 64K, where an untiled MLP would still be three quarters of the layer. The rule reads
+# only shapes (H from the input, I from gate_proj), so every rank and every step of one length shard alike and a
+# run is reproducible. Measured on CPU (benchmarks/tiled_layer.py, H 128, I 512: 20 shards at 8K-32K) and not yet
+# on a GPU, where shard efficiency may call for a coarser floor. ``tiled_mlp_shard_tokens`` is the user's explicit
 # choice and is always honoured.
-def _pays(sizes: list[int]) -> bool:
-    return _settings["shard_tokens"] is not None or len(sizes) >= AUTO_MIN_SHARDS
+def _intermediate(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """gate_proj's output features: ``out_features`` of an nn.Linear, a PEFT LoRA layer or a bitsandbytes layer;
+    else measured once on one token (cached per module)."""
+    gate = vars(module)["_modules"]["gate_proj"]
+    features = getattr(gate, "out_features", None)
+    if isinstance(features, int):
+        return features
+    if module not in _measured_intermediate:
+        with torch.no_grad():
+            _measured_intermediate[module] = gate(x.detach().reshape(-1, x.shape[-1])[:1]).shape[-1]
+    return _measured_intermediate[module]
 
 
 # NOTE [MLPs found by structure]
@@ -400,6 +456,7 @@ def install(*, shard_tokens: int | None) -> list[str]:
     _settings["shard_tokens"] = shard_tokens
     _counts.update(tiled_calls=0, shards=0)
     _verdicts.clear()
+    _measured_intermediate.clear()
     REGISTRY.install(PreTrainedModel, "post_init", _discover_after_post_init)
     patched = [f"{c.__module__}.{c.__qualname__}" for c in _imported_candidates() if _patch_class(c)]
     logger.debug("ddp_patches: tiled MLP patched %d gate/up/down classes already imported", len(patched))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import math
+
 import pytest
 import torch
 
@@ -157,9 +159,21 @@ def test_single_process_is_untouched():
 
 
 def test_shard_sizes_rule():
-    assert tiled_mlp.shard_sizes(10, 16, None) == [10]  # fewer tokens than hidden: one shard, no tiling
-    assert tiled_mlp.shard_sizes(8192, 1024, None) == [1024] * 8  # ceil(tokens / hidden) shards
+    """NOTE [Tiling by bytes]: min(ceil(5 I / H), T // H) shards, untiled below 2; an explicit size always wins."""
     assert tiled_mlp.shard_sizes(10, 16, 4) == [4, 3, 3]  # at most 4 per shard, evenly spread
+    llama8b = {"hidden": 4096, "intermediate": 14336}
+    shards = {t: len(tiled_mlp.shard_sizes(t, llama8b["hidden"], None, llama8b["intermediate"]))
+              for t in (4095, 4096, 8191, 8192, 32768, 65536, 73728, 131072, 524288)}
+    # a shard never under hidden_size tokens (ALST's size), and no more than 18 = ceil(5 x 3.5) for Llama-8B
+    assert shards == {4095: 1, 4096: 1, 8191: 1, 8192: 2, 32768: 8, 65536: 16, 73728: 18, 131072: 18, 524288: 18}
+    sizes = tiled_mlp.shard_sizes(524288, 4096, None, 14336)
+    assert sum(sizes) == 524288 and max(sizes) - min(sizes) <= 1
+    # one shard's intermediates (5 x I per token) are no larger than the call's hidden states (H per token)
+    assert max(sizes) * 5 * 14336 <= 524288 * 4096
+    # a narrow MLP (I < H / 5) gains nothing from tiling: one shard's intermediates already fit
+    assert tiled_mlp.shard_sizes(1 << 16, 1024, None, 128) == [1 << 16]
+    with pytest.raises(TypeError, match="intermediate="):
+        tiled_mlp.shard_sizes(8192, 1024, None)
 
 
 def test_revert_restores_every_mlp_forward():
@@ -235,7 +249,7 @@ def test_mlps_found_by_structure_and_probed(pool):
 
 
 def auto_rule_case(tokens: int) -> dict:
-    """No shard size given: a call tiles only from AUTO_MIN_SHARDS ALST shards (tokens >= 8 x hidden) on."""
+    """No shard size given: the shards are decided by bytes (NOTE [Tiling by bytes])."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     with ddp_patches.patched(tiled_mlp=True):
@@ -244,12 +258,16 @@ def auto_rule_case(tokens: int) -> dict:
         return tiled_mlp.counts()
 
 
-@pytest.mark.parametrize("tokens,tiled", [(7 * mlp_models.HIDDEN, False), (8 * mlp_models.HIDDEN, True)])
-def test_auto_rule_tiles_only_where_it_pays(pool, tokens, tiled):
+AUTO_CAP = math.ceil(tiled_mlp.SAVED_PER_TOKEN * mlp_models.INTERMEDIATE / mlp_models.HIDDEN)
+
+
+@pytest.mark.parametrize("tokens,shards", [(2 * mlp_models.HIDDEN - 1, 1), (2 * mlp_models.HIDDEN, 2),
+                                           (5 * mlp_models.HIDDEN, 5), (40 * mlp_models.HIDDEN, AUTO_CAP)])
+def test_auto_rule_shards_by_bytes(pool, tokens, shards):
+    """Untiled below two hidden_size shards; one shard per hidden_size tokens up to ceil(5 I / H), then no more."""
     for counts in pool.run(auto_rule_case, tokens=tokens):
-        assert (counts["tiled_calls"] > 0) == tiled, counts
-        if tiled:
-            assert counts["shards"] == counts["tiled_calls"] * tiled_mlp.AUTO_MIN_SHARDS
+        assert counts["tiled_calls"] == (0 if shards == 1 else 2), counts  # 2 MLPs in the stack
+        assert counts["shards"] == (0 if shards == 1 else 2 * shards), counts
 
 
 def vlm_case(lora_on_vision: bool) -> dict:
@@ -284,3 +302,19 @@ def built_before_apply_case() -> dict:
 def test_model_built_before_apply_is_tiled(pool):
     for r in pool.run(built_before_apply_case):
         assert r["tiled_calls"] == 2 and r["grads"]
+
+
+def test_intermediate_size_read_or_measured():
+    """I comes from gate_proj's ``out_features``; a gate_proj without one (a wrapper module) is measured once."""
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self, gate):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = gate, nn.Linear(8, 24), nn.Linear(24, 8)
+
+    x = torch.randn(3, 8)
+    assert tiled_mlp._intermediate(MLP(nn.Linear(8, 24)), x) == 24
+    wrapped = MLP(nn.Sequential(nn.Linear(8, 24), nn.Identity()))
+    assert tiled_mlp._intermediate(wrapped, x) == 24
+    assert tiled_mlp._intermediate(wrapped, x) == 24  # cached: measured once
