@@ -14,8 +14,11 @@ What is measured, per mode: the peak of ACTIVE bytes (``active_bytes.all.peak``:
 allocator cannot reuse yet -- what the next allocation competes with; ``memory_allocated`` drops at ``free()`` even
 while a block is still owed to another stream, which is how an earlier version of this benchmark missed that
 nothing was released), the allocated peak, the reserved peak, ``num_alloc_retries``, the median step time, the
-first step's time (pinning happens inside it) and offload's own stats (``stall_ms``: GPU time the compute stream
-waited for copies in).
+first step's time and offload's own stats (``stall_ms``: GPU time the compute stream waited for copies in). The
+first step pins the pool's buffers: "on" pins them ahead on a background thread (NOTE [Pinning ahead] in
+ddp_patches/pinned_pool.py), and one more process per repetition, "on-lazy", pins them inside the packs as before;
+``first_step_s_on`` and ``first_step_s_on_lazy`` are the two figures (with ``pin_ms``, the time pinned inside
+the forward, and ``prepinned``, the buffers pinned ahead, from step 1's stats).
 
 Targets, and the arithmetic behind them. With L checkpointed layers of S tokens x H hidden at b bytes, the
 inputs are L tensors of S*H*b bytes. Two can never move: PEFT makes the first layer's input a leaf that
@@ -81,6 +84,9 @@ def build(cfg: dict, device: str, dtype: torch.dtype, model_type: str = "qwen2")
     return model
 
 
+MODES = ("off", "on", "on-lazy")  # on-lazy: offload on, buffers pinned inside the packs (no pinning ahead)
+
+
 def one_mode(config: str, seq: int, mode: str, steps: int, warmup: int, smoke: bool = False) -> dict:
     """One process's measurement of one mode (``--worker``)."""
     model_type, cfg, _, _ = CONFIGS[config]
@@ -92,12 +98,14 @@ def one_mode(config: str, seq: int, mode: str, steps: int, warmup: int, smoke: b
     ids = torch.randint(0, cfg["vocab_size"], (1, seq), device=device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     # Offload forced on in one process: the default CUDA predicate, an always-open gate, under any engine.
-    offloader = offload.CheckpointInputOffloader(gate=lambda: True, engines=None, measure_stalls=not smoke, **(
-        {"should_offload": lambda t: True, "min_bytes": 0} if smoke else {}))
+    offloader = offload.CheckpointInputOffloader(
+        gate=lambda: True, engines=None, measure_stalls=not smoke, prepin_ahead=0 if mode == "on-lazy" else None,
+        **({"should_offload": lambda t: True, "min_bytes": 0} if smoke else {}))
+    on = mode != "off"
     cuda = device == "cuda"
-    times, peaks = [], []
+    times, peaks, first = [], [], None
     with ddp_patches.patched(offload=True):
-        with offload.use_offloader(offloader) if mode == "on" else offload.use_offloader(None):
+        with offload.use_offloader(offloader if on else None):
             for i in range(warmup + steps):
                 if cuda:
                     torch.cuda.synchronize()
@@ -110,6 +118,8 @@ def one_mode(config: str, seq: int, mode: str, steps: int, warmup: int, smoke: b
                 if cuda:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
+                if first is None and offloader.last_step is not None:  # step 1's window ends at step 2's first pack
+                    first = offloader.last_step.as_dict()
                 if cuda and i >= warmup:
                     now = torch.cuda.memory_stats()
                     peaks.append({"active": now["active_bytes.all.peak"] - base["active_bytes.all.current"],
@@ -122,7 +132,8 @@ def one_mode(config: str, seq: int, mode: str, steps: int, warmup: int, smoke: b
         "allocated_peak": max((p["allocated"] for p in peaks), default=0),
         "reserved_peak": max((p["reserved"] for p in peaks), default=0),
         "num_alloc_retries": torch.cuda.memory_stats()["num_alloc_retries"] if cuda else 0,
-        "offload_stats": stats if mode == "on" else None,
+        "offload_stats": stats if on else None,
+        "first_step_stats": first if on else None,
     }
 
 
@@ -140,11 +151,11 @@ def spawn_mode(config: str, seq: int, mode: str, steps: int, warmup: int, smoke:
 
 def measure(config: str, seq: int, steps: int, warmup: int, smoke: bool, layers: int, hidden: int,
             elem: int, reps: int = 2) -> dict:
-    runs = {"off": [], "on": []}
+    runs = {mode: [] for mode in MODES}
     for _ in range(1 if smoke else reps):
-        for mode in ("off", "on"):
+        for mode in MODES:
             runs[mode].append(spawn_mode(config, seq, mode, steps, warmup, smoke))
-    off, on = runs["off"], runs["on"]
+    off, on, lazy = runs["off"], runs["on"], runs["on-lazy"]
     one_input = seq * hidden * elem
     movable = (layers - 2) * one_input
     stats = on[-1]["offload_stats"] or {}
@@ -155,7 +166,10 @@ def measure(config: str, seq: int, steps: int, warmup: int, smoke: bool, layers:
         "step_s_off": statistics.median(x["step_s"] for x in off),
         "step_s_on": statistics.median(x["step_s"] for x in on),
         "first_step_s_off": min(x["first_step_s"] for x in off),
-        "first_step_s_on": min(x["first_step_s"] for x in on),
+        "first_step_s_on": min(x["first_step_s"] for x in on),  # buffers pinned ahead
+        "first_step_s_on_lazy": min(x["first_step_s"] for x in lazy),  # pinned inside the packs
+        "first_step_pin_ms_on": _first_step(on, "pin_ms"), "first_step_pin_ms_on_lazy": _first_step(lazy, "pin_ms"),
+        "first_step_prepinned_on": _first_step(on, "prepinned"),
         "offload_stats": stats,
     }
     for key in ("active_peak", "allocated_peak", "reserved_peak", "num_alloc_retries"):
@@ -173,6 +187,12 @@ def measure(config: str, seq: int, steps: int, warmup: int, smoke: bool, layers:
          r["removed_fraction"] < TARGET_REMOVED),
         (f"time {r['time_ratio']:.3f}x > {TARGET_TIME}x", r["time_ratio"] > TARGET_TIME)) if bad]
     return r
+
+
+def _first_step(runs: list[dict], key: str):
+    """Step 1's figure from offload's own accounting (the smallest over the processes), None where absent."""
+    values = [x["first_step_stats"][key] for x in runs if x.get("first_step_stats")]
+    return min(values) if values else None
 
 
 def run(quick: bool = False, *, seqs: list[int] | None = None, steps: int = 5, warmup: int = 2,
@@ -210,13 +230,15 @@ def run(quick: bool = False, *, seqs: list[int] | None = None, steps: int = 5, w
 
 def print_table(report: dict) -> None:
     print(f"{'seq':>6} {'active off GiB':>14} {'active on GiB':>13} {'moved/movable':>13} {'drop/expected':>13} "
-          f"{'alloc drop GiB':>14} {'step off s':>10} {'step on s':>10} {'time ratio':>10} {'stall ms':>8}")
+          f"{'alloc drop GiB':>14} {'step off s':>10} {'step on s':>10} {'time ratio':>10} {'stall ms':>8} "
+          f"{'1st on s':>8} {'1st lazy s':>10}")
     for r in report["rows"]:
         flag = ("  <- " + "; ".join(r["misses"])) if r["misses"] else ""
         print(f"{r['seq']:>6} {r['active_peak_off'] / 2**30:>14.3f} {r['active_peak_on'] / 2**30:>13.3f} "
               f"{r['moved_fraction']:>13.3f} {r['removed_fraction']:>13.3f} {r['allocated_drop_bytes'] / 2**30:>14.3f} "
               f"{r['step_s_off']:>10.3f} {r['step_s_on']:>10.3f} {r['time_ratio']:>10.3f} "
-              f"{(r['offload_stats'] or {}).get('stall_ms', 0.0):>8.2f}{flag}", flush=True)
+              f"{(r['offload_stats'] or {}).get('stall_ms', 0.0):>8.2f} {r['first_step_s_on']:>8.3f} "
+              f"{r['first_step_s_on_lazy']:>10.3f}{flag}", flush=True)
 
 
 def plot(report: dict, path: str) -> str:
@@ -250,7 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, 1 step: checks the script only")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--reps", type=int, default=2, help="processes per mode (off, on, off, on, ...)")
-    p.add_argument("--worker", choices=("on", "off"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.worker:

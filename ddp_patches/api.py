@@ -54,6 +54,8 @@ def apply(
     tiled_mlp_shard_tokens: int | None = None,
     offload_min_bytes: int = _offload_patch.DEFAULT_MIN_BYTES,
     offload_max_pinned_bytes: int | None = None,
+    offload_prefetch_depth: int = _offload_patch.DEFAULT_PREFETCH_DEPTH,
+    offload_max_in_flight: int = _offload_patch.DEFAULT_MAX_IN_FLIGHT,
     on_unsynced: str = "warn",
     replica_check_every: int = _guard.DEFAULT_REPLICA_CHECK_EVERY,
 ) -> ApplyReport:
@@ -77,6 +79,12 @@ def apply(
         offload_min_bytes: tensors smaller than this stay on the device (default 1 MiB).
         offload_max_pinned_bytes: per-rank cap of pinned host memory for offload (default: a quarter of
             physical RAM divided by LOCAL_WORLD_SIZE); beyond it tensors stay on the device.
+        offload_prefetch_depth: checkpoint inputs whose copy back starts ahead of backward's need for them (default
+            1). Deeper helps where the host-to-device copy of one layer's input takes longer than one layer's
+            backward (a slow bus, small layers); each step deeper keeps one more layer input on the device.
+        offload_max_in_flight: checkpoint regions whose inputs stay on the device while their copy to the host may
+            still run (default 1). Larger helps where the forward outruns the copies (the compute stream then
+            waits for them); each region more keeps one more layer input on the device.
         tiled_mlp: under DDP or FSDP2, run every gate/up/down MLP (found by structure on the model, any
             family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward that
             fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
@@ -96,6 +104,7 @@ def apply(
                        "(%s); pass offload=True to turn it on", _offload_patch.WHY_OPT_IN)
         options["offload"] = False
     options.update(_validate_offload_sizes(offload_min_bytes, offload_max_pinned_bytes))
+    options.update(_validate_offload_depths(offload_prefetch_depth, offload_max_in_flight))
     options.update(_validate_guard(on_unsynced, replica_check_every))
     _autoapply.settle()  # a runner's apply() deferred past an import chain comes first (NOTE [Import-safe ...])
     current = _state["report"]
@@ -119,6 +128,8 @@ def apply(
                 explicit=options["offload"] is True,
                 min_bytes=options["offload_min_bytes"],
                 max_pinned_bytes=options["offload_max_pinned_bytes"],
+                prefetch_depth=options["offload_prefetch_depth"],
+                max_in_flight=options["offload_max_in_flight"],
             )
         installed += _guard.install(on_unsynced=options["on_unsynced"],
                                     replica_check_every=options["replica_check_every"])
@@ -217,6 +228,19 @@ def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:
             expected = "None (automatic) or " if allow_none else ""
             raise ValueError(f"ddp_patches.apply({name}=...) expects {expected}a number of bytes >= 0, got {value!r}")
     return {"offload_min_bytes": min_bytes, "offload_max_pinned_bytes": max_pinned_bytes}
+
+
+def _validate_offload_depths(prefetch_depth, max_in_flight) -> dict:
+    for name, value, what, default in (
+            ("offload_prefetch_depth", prefetch_depth, "layer inputs copied back ahead",
+             _offload_patch.DEFAULT_PREFETCH_DEPTH),
+            ("offload_max_in_flight", max_in_flight, "checkpoint regions whose copies out may still run",
+             _offload_patch.DEFAULT_MAX_IN_FLIGHT)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"ddp_patches.apply({name}=...) expects a whole number >= 1 ({what}), got {value!r}; "
+                             f"leave it out for the default ({default}), or pass 2 or more to overlap more copies "
+                             "at the cost of one more layer input in device memory each")
+    return {"offload_prefetch_depth": prefetch_depth, "offload_max_in_flight": max_in_flight}
 
 
 def _validate_guard(on_unsynced, replica_check_every) -> dict:

@@ -17,6 +17,8 @@ Options (each also an environment variable, which is what the child processes re
     --offload true|false                DDP_PATCHES_OFFLOAD (opt-in; "auto" is read as false)
     --offload-min-bytes N               DDP_PATCHES_OFFLOAD_MIN_BYTES
     --offload-max-pinned-bytes N|auto   DDP_PATCHES_OFFLOAD_MAX_PINNED_BYTES
+    --offload-prefetch-depth N          DDP_PATCHES_OFFLOAD_PREFETCH_DEPTH (N >= 1)
+    --offload-max-in-flight N           DDP_PATCHES_OFFLOAD_MAX_IN_FLIGHT (N >= 1)
     --tiled-mlp true|false              DDP_PATCHES_TILED_MLP
     --tiled-mlp-shard-tokens N|auto     DDP_PATCHES_TILED_MLP_SHARD_TOKENS
     --log-level LEVEL                   DDP_PATCHES_LOG_LEVEL (show the library's lines at LEVEL, e.g. INFO)
@@ -68,6 +70,13 @@ def _count(text: str) -> int:
     return value
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text.strip())
+    if value < 1:
+        raise ValueError("expected a number >= 1")
+    return value
+
+
 def _count_or_auto(text: str) -> int | None:
     return None if text.strip().lower() in ("auto", "none", "") else _count(text)
 
@@ -86,6 +95,8 @@ OPTIONS: dict[str, Callable[[str], object]] = {
     "offload": _offload,
     "offload_min_bytes": _count,
     "offload_max_pinned_bytes": _count_or_auto,
+    "offload_prefetch_depth": _at_least_one,
+    "offload_max_in_flight": _at_least_one,
     "tiled_mlp": _bool,
     "tiled_mlp_shard_tokens": _count_or_auto,
     "on_unsynced": _on_unsynced,  # ddp_patches/guard.py

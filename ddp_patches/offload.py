@@ -31,7 +31,9 @@
 # from the device with no copy in.
 #
 # NOTE [Copies, streams and lifetimes]
-# pack starts the device-to-host copy at once (``offload_copier``): into a pinned buffer (``pinned_pool``), on one
+# pack starts the device-to-host copy at once (``offload_copier``): into a pinned buffer (``pinned_pool``; while
+# the forward grows, as in step 1, a background thread pins the next buffers of the class ahead of the packs that
+# will take them: NOTE [Pinning ahead] there), on one
 # side stream per device that first waits for the compute stream, so the copy reads a finished tensor and
 # overlaps the next layer's forward. The device tensor is kept on its handle while the copy is in flight: the
 # inputs of the last ``max_in_flight`` checkpoint regions are (a window, as TransformerEngine bounds its offload).
@@ -43,14 +45,17 @@
 # H100 the active-memory peak did not drop at all (docs/gpu-runs/README.md). The wait also bounds the backlog: a
 # forward that outruns the bus stalls on the GPU rather than piling up device tensors "offloaded" but not freed.
 # With one layer's compute between a copy's start and its wait, the wait is normally already satisfied.
-# In backward, unpacking layer k's input starts the host-to-device copies of the ``prefetch_depth`` inputs needed
-# next, into tensors allocated on the compute stream (the copy first waits for the kernels enqueued so far, the
-# earliest point at which a reused block is free); the compute stream waits on that copy's event before using
-# it. A prefetched tensor dropped unused first makes the compute stream wait for its copy
-# (``offload_copier.PrefetchedInput``). A restored tensor is kept on its handle, so a tensor shared by several
-# checkpoints (a 4-D mask passed positionally, ``checkpoint(f, h, h)``) crosses the bus at most once each way per
-# step. Without CUDA (CPU tests) the same code runs with synchronous copies into ordinary host memory
-# (``offload_copier.SyncCopier``); ``non_blocking`` is never used with pageable memory.
+# In backward, unpacking layer k's input starts the host-to-device copies of the ``prefetch_depth`` inputs
+# guessed to be needed next (``offload_restore``: the nearest earlier ones not back yet; torch leaves the unpack
+# order unspecified, so the guess only affects speed, and at most ``prefetch_depth`` prefetched tensors wait at
+# once: NOTE [Any unpack order]), into tensors allocated on the compute stream (the copy first waits for the
+# kernels enqueued so far, the earliest point at which a reused block is free); the compute stream waits on that
+# copy's event before using it. A prefetched tensor dropped unused (a wrong guess, a graph freed) first makes the
+# compute stream wait for its copy (``offload_copier.PrefetchedInput``). A restored tensor is kept on its handle
+# until autograd frees the handle (no longer than the device tensor would have lived without offload), so a
+# tensor shared by several checkpoints (a 4-D mask passed positionally, ``checkpoint(f, h, h)``) crosses the bus
+# at most once each way per step. Without CUDA (CPU tests) the same code runs with synchronous copies into
+# ordinary host memory (``offload_copier.SyncCopier``); ``non_blocking`` is never used with pageable memory.
 #
 # NOTE [In-place edits after pack]
 # autograd compares a saved tensor's version counter at unpack and raises "one of the variables needed for
@@ -84,7 +89,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import time
 import weakref
 from typing import Callable, Iterator
 
@@ -96,11 +100,12 @@ from . import offload_probes, probes, versions
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 from .offload_copier import PrefetchedInput, StreamCopier, SyncCopier
+from .offload_restore import Restorer
 from .offload_policy import (  # noqa: F401  (re-exported: the reasons are part of the stats' vocabulary)
     DEVICE, EXPANDED, GRAD_LEAF, NON_DENSE, NOT_PLAIN, PARAMETER, PARAMETER_VIEW, PINNED_FAILED, POOL_CAP, SHARED,
     SMALL, check_version, keep_reason, sole_owner, version_witness)
-from .offload_window import OffloadStats, StepWindow
-from .pinned_pool import PinnedBufferPool, default_cap_bytes
+from .offload_window import OffloadStats, ResourceMeter, StepWindow
+from .pinned_pool import DEFAULT_PREPIN_AHEAD, PinnedBufferPool, default_cap_bytes
 
 logger = logging.getLogger("ddp_patches")
 
@@ -133,11 +138,14 @@ class _Offloaded:
     """One packed checkpoint input: its copy to ``host`` started at pack; ``source`` (the device tensor) is held
     while that copy may be in flight and dropped once released."""
 
-    __slots__ = ("index", "origin", "witness", "version", "device", "dtype", "shape", "stride", "nbytes", "source",
-                 "event", "host", "free_host", "restored", "prefetched", "counted_kept", "__weakref__")
+    __slots__ = ("index", "region", "shared", "origin", "witness", "version", "device", "dtype", "shape", "stride",
+                 "nbytes", "source", "event", "host", "free_host", "restored", "prefetched", "counted_kept",
+                 "unpacked", "__weakref__")
 
-    def __init__(self, t: torch.Tensor) -> None:
+    def __init__(self, t: torch.Tensor, region: int = 0) -> None:
         self.index = 0
+        self.region = region  # the checkpoint region (of its window) that packed it
+        self.shared = False  # packed again by a later region (a mask passed to every layer): NOTE [Any unpack order]
         self.origin = weakref.ref(t)  # identity check for deduplication, without keeping ``t`` alive
         self.witness = version_witness(t)
         self.version = t._version
@@ -153,6 +161,7 @@ class _Offloaded:
         self.restored: torch.Tensor | None = None  # brought back once; served again to later unpacks
         self.prefetched: PrefetchedInput | None = None  # a copy in started ahead of its unpack
         self.counted_kept = False  # unpacked while still on the device (counted in stats.kept_last)
+        self.unpacked = False  # unpacked at least once (only a first unpack starts a prefetch)
 
     @property
     def offloaded(self) -> bool:
@@ -163,15 +172,18 @@ class _Offloaded:
 class CheckpointInputOffloader:
     """pack/unpack for the checkpoint inputs, with per-step accounting. One per process.
 
-    Policy (what may move) lives in ``offload_policy``, the copies in ``offload_copier``, the step windows in
-    ``offload_window``; this class wires them to autograd's saved-tensor hooks.
+    Its parts: when the hooks are pushed (``wants_hooks``, ``hooks``), pack (policy in ``offload_policy``, the
+    copy out in ``offload_copier``, buffers from ``pinned_pool``), release at the end of the in-flight window
+    (``_release``), unpack and prefetch (``offload_restore.Restorer``) and the step windows with their accounting
+    (``offload_window``); this class wires them to autograd's saved-tensor hooks.
 
     Args:
         min_bytes: tensors smaller than this stay on the device.
         max_pinned_bytes: per-rank cap of the host buffer pool (None: ``pinned_pool.default_cap_bytes()``).
         max_in_flight: checkpoint regions whose inputs keep their device tensors while the copy out may still
             run (NOTE [Copies, streams and lifetimes]); at least 1.
-        prefetch_depth: inputs whose copy in starts ahead of backward's need for them; at least 1.
+        prefetch_depth: inputs whose copy in starts ahead of backward's need for them, and the most prefetched
+            tensors that wait at once (NOTE [Any unpack order]); at least 1.
         should_offload: which devices' tensors to move (default: CUDA tensors). CPU tests pass ``lambda t: True``
             to run the real code path, copying CPU tensors into separate host storage.
         gate: whether the hooks are pushed at all at a checkpoint call (default: ``is_distributed``).
@@ -180,7 +192,10 @@ class CheckpointInputOffloader:
         explicit: offload=True was asked for; reasons for being inert are then warnings, not debug lines.
         copier: how tensors cross between device and host (default: side streams on CUDA, in-order otherwise);
             tests inject one that models a copy still in flight or a missing stream dependency.
-        pool: the host buffer pool (default: pinned where CUDA exists, capped at ``max_pinned_bytes``).
+        pool: the host buffer pool (default: pinned where CUDA exists, capped at ``max_pinned_bytes``, pinning
+            ``prepin_ahead`` buffers ahead of the forward: NOTE [Pinning ahead] in pinned_pool.py).
+        prepin_ahead: for the default pool only; None: ``pinned_pool.DEFAULT_PREPIN_AHEAD`` where buffers are
+            pinned (a CUDA host), 0 elsewhere; 0 turns pinning ahead off.
         measure_stalls: the default CUDA copier times GPU-side waits for copies in (``stats.stall_ms``).
     """
 
@@ -196,6 +211,7 @@ class CheckpointInputOffloader:
         explicit: bool = False,
         copier=None,
         pool: PinnedBufferPool | None = None,
+        prepin_ahead: int | None = None,
         engines: tuple[str, ...] | None = _engines.ACTS_UNDER["offload"],
         measure_stalls: bool = False,
     ) -> None:
@@ -204,24 +220,27 @@ class CheckpointInputOffloader:
                              f"{max_in_flight} and {prefetch_depth}")
         self.min_bytes = min_bytes
         self.max_in_flight = max_in_flight
-        self.prefetch_depth = prefetch_depth
         self._no_cuda = should_offload is None and not torch.cuda.is_available()  # the default needs CUDA
         self.should_offload = should_offload or (lambda t: t.device.type == "cuda")
         self.gate = gate or is_distributed
         self.explicit = explicit
         self.engines = engines
-        cap = default_cap_bytes() if max_pinned_bytes is None else max_pinned_bytes
-        self.pool = pool or PinnedBufferPool(cap, pin=torch.cuda.is_available())
+        self.pool = pool or _default_pool(max_pinned_bytes, prepin_ahead)
         self._copier = copier
         self._measure_stalls = measure_stalls
+        self.restorer = Restorer(lambda: self.copier, prefetch_depth)
         self.window = StepWindow(step=1)
         self.last_step: OffloadStats | None = None
-        self._window_start = (0, 0.0, 0.0)  # pool allocations, pool seconds, copier stall ms
+        self._meter = ResourceMeter()
 
     @property
     def stats(self) -> OffloadStats:
         """The current micro-step's accounting (NOTE [Step windows])."""
         return self.window.stats
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.restorer.depth
 
     # -- when to push the hooks ------------------------------------------------------------------------------
     def wants_hooks(self, fn=None) -> bool:
@@ -251,6 +270,7 @@ class CheckpointInputOffloader:
         """A new checkpoint region begins: the copies started by the regions ``max_in_flight`` back have had at
         least that many layers of compute to finish; release them (NOTE [Copies, streams and lifetimes])."""
         self._maybe_new_window()
+        self.window.region += 1
         in_flight = self.window.in_flight
         in_flight.append([])
         while len(in_flight) > self.max_in_flight:
@@ -270,20 +290,35 @@ class CheckpointInputOffloader:
         if reason is not None:
             self.stats.kept[reason] += 1
             return _Kept(t)
-        # The storage's start from data_ptr, not t.untyped_storage(): a Python storage object, once made, stays
-        # attached to the storage and counts as one more user of it (offload_policy.sole_owner reads that count).
-        base = t.data_ptr() - t.storage_offset() * t.element_size()
-        key = (base, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        seen = self.window.find(key)
-        if seen is not None and seen.origin() is t:  # the same tensor again; a transpose has another key
-            self.stats.deduplicated += 1
+        key = _identity(t)
+        seen = self._same_tensor(t, key)
+        if seen is not None:
             return seen
-        nbytes = t.numel() * t.element_size()
-        buf = self.pool.acquire(nbytes, t.device)
+        buf = self.pool.acquire(t.numel() * t.element_size(), t.device)
         if buf is None:
             self.stats.kept[self._refused()] += 1
             return _Kept(t)
-        handle = _Offloaded(t)
+        return self._start_copy_out(t, key, buf)
+
+    def _keep_reason(self, t: torch.Tensor) -> str | None:
+        if not self.should_offload(t):
+            self._inert("device-" + t.device.type, f"the checkpoint inputs are on {t.device.type}, not an accelerator")
+            return DEVICE
+        return keep_reason(t, self.min_bytes)
+
+    def _same_tensor(self, t: torch.Tensor, key: tuple) -> _Offloaded | None:
+        """The handle of ``t`` when this window packed the very same tensor already (a transpose has another
+        key); one packed again by a later region is shared between layers (NOTE [Any unpack order])."""
+        seen = self.window.find(key)
+        if seen is None or seen.origin() is not t:
+            return None
+        self.stats.deduplicated += 1
+        if seen.region != self.window.region:
+            seen.shared = True
+        return seen
+
+    def _start_copy_out(self, t: torch.Tensor, key: tuple, buf: torch.Tensor) -> _Offloaded:
+        handle = _Offloaded(t, self.window.region)
         self.window.add(handle, key)
         handle.free_host = weakref.finalize(handle, self.pool.release, buf, t.device)
         handle.host = _typed_view(buf, handle)
@@ -294,12 +329,7 @@ class CheckpointInputOffloader:
         self.window.in_flight[-1].append(weakref.ref(handle))
         return handle
 
-    def _keep_reason(self, t: torch.Tensor) -> str | None:
-        if not self.should_offload(t):
-            self._inert("device-" + t.device.type, f"the checkpoint inputs are on {t.device.type}, not an accelerator")
-            return DEVICE
-        return keep_reason(t, self.min_bytes)
-
+    # -- release: the end of the in-flight window ------------------------------------------------------------
     def _release(self, h: _Offloaded | None) -> None:
         """The copy out of ``h`` is old enough: the compute stream waits for it and the handle drops its device
         tensor. If something else still holds that memory, dropping it freed nothing: counted under ``kept``,
@@ -309,6 +339,9 @@ class CheckpointInputOffloader:
         freed = sole_owner(h, "source")
         self.copier.release(h.source, h.event)
         h.source = h.event = None
+        self._count_release(h, freed)
+
+    def _count_release(self, h: _Offloaded, freed: bool) -> None:
         if h.counted_kept:  # unpacked inside the forward (a gradient penalty), offloaded after all
             h.counted_kept = False
             self.stats.kept_last -= 1
@@ -332,49 +365,14 @@ class CheckpointInputOffloader:
                        self.pool.cap_bytes >> 20)
         return POOL_CAP
 
-    # -- unpack: backward ------------------------------------------------------------------------------------
+    # -- unpack: backward (offload_restore) -------------------------------------------------------------------
     def unpack(self, packed):
         self.window.unpacked = True
         if isinstance(packed, _Kept):
             return packed.unpack()
         if not isinstance(packed, _Offloaded):
             return packed  # a tensor returned untouched by pack (during backward)
-        check_version(packed.witness, packed.version, packed.shape, packed.dtype)
-        if packed.source is None and packed.restored is None:
-            alive = packed.origin()
-            if alive is not None:  # released, but something else kept it on the device: no copy needed
-                self._prefetch_before(packed.index)
-                return alive
-        if packed.source is not None:  # still on the device: in the in-flight window
-            if not packed.counted_kept:
-                packed.counted_kept = True
-                self.stats.kept_last += 1
-            self._prefetch_before(packed.index)
-            return packed.source
-        if packed.restored is not None:
-            self.stats.restored_again += 1
-            return packed.restored
-        if packed.prefetched is not None:
-            pending, packed.prefetched = packed.prefetched, None
-            self.stats.prefetched += 1
-        else:
-            pending = self._copy_in(packed)
-            self.stats.waited += 1
-        packed.restored = pending.take()
-        self._prefetch_before(packed.index)  # queued behind this layer's recompute and backward
-        return packed.restored
-
-    def _copy_in(self, h: _Offloaded) -> PrefetchedInput:
-        out = torch.empty_strided(h.shape, h.stride, dtype=h.dtype, device=h.device)
-        self.stats.copies_in += 1
-        return PrefetchedInput(out, self.copier.to_device(h.host, out), self.copier)
-
-    def _prefetch_before(self, index: int) -> None:
-        """Start bringing back the ``prefetch_depth`` offloaded inputs that backward will ask for next."""
-        ahead = [h for h in self.window.earlier(index) if h.offloaded][:self.prefetch_depth]
-        for h in ahead:
-            if h.prefetched is None and h.restored is None:
-                h.prefetched = self._copy_in(h)
+        return self.restorer.unpack(packed, self.window)
 
     # -- step windows (NOTE [Step windows]) --------------------------------------------------------------------
     def _maybe_new_window(self) -> None:
@@ -385,18 +383,15 @@ class CheckpointInputOffloader:
 
     def _end_window(self) -> None:
         stats = self.window.stats
-        allocations, seconds, stalled = self._window_start
-        stats.pinned_allocations = self.pool.allocations - allocations
-        stats.pin_ms = (self.pool.allocate_seconds - seconds) * 1e3
-        stats.stall_ms = self.copier.stall_ms() - stalled
-        self._window_start = (self.pool.allocations, self.pool.allocate_seconds, stalled + stats.stall_ms)
+        self._meter.charge(stats, self.pool, self.copier)
         self.last_step = stats
         if stats.step == 1 and stats.offloaded_tensors:
             log_rank0_once("offload-first-step", logging.INFO,
                            "ddp_patches: offload moved %d checkpoint inputs (%.1f MiB) to host memory in the "
                            "first step; kept on the device: last layer %d, other %s; %d pinned buffers took "
-                           "%.1f ms", stats.offloaded_tensors, stats.offloaded_bytes / 2**20, stats.kept_last,
-                           dict(stats.kept), stats.pinned_allocations, stats.pin_ms)
+                           "%.1f ms inside the forward, %d were pinned ahead", stats.offloaded_tensors,
+                           stats.offloaded_bytes / 2**20, stats.kept_last, dict(stats.kept),
+                           stats.pinned_allocations, stats.pin_ms, stats.prepinned)
         logger.debug("ddp_patches offload step: %s", stats.as_dict())
         self.window = StepWindow(step=stats.step + 1)
 
@@ -410,6 +405,22 @@ class CheckpointInputOffloader:
             use_streams = torch.cuda.is_available() and self.pool.pin
             self._copier = StreamCopier(self._measure_stalls) if use_streams else SyncCopier()
         return self._copier
+
+
+def _default_pool(max_pinned_bytes: int | None, prepin_ahead: int | None) -> PinnedBufferPool:
+    """Pinned where CUDA exists, pinning ahead there only: a CPU-only host never pins (NOTE [Pinning ahead])."""
+    cap = default_cap_bytes() if max_pinned_bytes is None else max_pinned_bytes
+    pin = torch.cuda.is_available()
+    ahead = (DEFAULT_PREPIN_AHEAD if pin else 0) if prepin_ahead is None else prepin_ahead
+    return PinnedBufferPool(cap, pin=pin, prepin_ahead=ahead)
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes two packed tensors the same one (deduplication). The storage's start from data_ptr, not
+    t.untyped_storage(): a Python storage object, once made, stays attached to the storage and counts as one
+    more user of it (offload_policy.sole_owner reads that count)."""
+    base = t.data_ptr() - t.storage_offset() * t.element_size()
+    return base, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version
 
 
 def _typed_view(buf: torch.Tensor, h: _Offloaded) -> torch.Tensor:
@@ -476,11 +487,13 @@ def target() -> str:
     return f"torch.utils.checkpoint.{offload_probes.generator_name()}"
 
 
-def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None) -> list[str]:
+def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None,
+            prefetch_depth: int = DEFAULT_PREFETCH_DEPTH, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> list[str]:
     if versions.offload_unsupported_reason() is None and not probes.verify(
             "offload", offload_probes.ASSUMPTIONS, "Checkpoint inputs stay on the device (no offload)"):
         return []  # NOTE [Probed assumptions]
-    offloader = CheckpointInputOffloader(min_bytes=min_bytes, max_pinned_bytes=max_pinned_bytes, explicit=explicit)
+    offloader = CheckpointInputOffloader(min_bytes=min_bytes, max_pinned_bytes=max_pinned_bytes, explicit=explicit,
+                                         prefetch_depth=prefetch_depth, max_in_flight=max_in_flight)
     if explicit and offloader._no_cuda:
         offloader._inert("no-cuda", NO_CUDA)  # say it at apply(), not only at the first checkpoint
     name = offload_probes.generator_name() if versions.offload_unsupported_reason() is None else TARGET.rsplit(".")[-1]

@@ -23,13 +23,15 @@ class OffloadStats:
     deduplicated: int = 0
     kept_last: int = 0  # still on the device when backward first asked for it (no copy in needed)
     kept: dict = dataclasses.field(default_factory=Counter)
-    prefetched: int = 0
+    prefetched: int = 0  # unpacks served by a copy in started ahead of them
+    prefetch_dropped: int = 0  # prefetches dropped unused (NOTE [Any unpack order] in offload_restore.py)
     waited: int = 0  # unpacks that had to start their own host-to-device copy
     restored_again: int = 0  # unpacks served by a tensor already brought back (shared inputs)
     copies_in: int = 0  # host-to-device copies issued
     peak_pinned_bytes: int = 0
-    pinned_allocations: int = 0  # new pinned buffers (their cost is paid inside forward: first step, new sizes)
+    pinned_allocations: int = 0  # new pinned buffers allocated inside a pack (their cost is paid in the forward)
     pin_ms: float = 0.0
+    prepinned: int = 0  # buffers pinned ahead, off the forward's path (NOTE [Pinning ahead] in pinned_pool.py)
     stall_ms: float = 0.0  # GPU time the compute stream waited for copies in (only when the copier measures it)
 
     def as_dict(self) -> dict:
@@ -48,6 +50,7 @@ class StepWindow:
         # one list per recent checkpoint region: weakrefs of its handles whose device tensor is still held
         self.in_flight: collections.deque = collections.deque()
         self.unpacked = False  # a backward reached this window's inputs
+        self.region = 0  # checkpoint regions begun in this window (a handle records the one it was packed in)
 
     def add(self, handle, key: tuple) -> None:
         handle.index = len(self.order)
@@ -80,3 +83,20 @@ class StepWindow:
     def earlier(self, index: int) -> list:
         """Live handles packed before ``index``, nearest first."""
         return [h for h in (ref() for ref in reversed(self.order[:index])) if h is not None]
+
+
+class ResourceMeter:
+    """Charges a window with what the pool and the copier did while it was open: they count over the process's
+    life, a window reports its own share."""
+
+    def __init__(self) -> None:
+        self._start = (0, 0.0, 0, 0.0)  # pool allocations, pool seconds, buffers pinned ahead, copier stall ms
+
+    def charge(self, stats: OffloadStats, pool, copier) -> None:
+        allocations, seconds, ahead, stalled = self._start
+        now = (pool.allocations, pool.allocate_seconds, pool.allocated_ahead, copier.stall_ms())
+        stats.pinned_allocations = now[0] - allocations
+        stats.pin_ms = (now[1] - seconds) * 1e3
+        stats.prepinned = now[2] - ahead
+        stats.stall_ms = now[3] - stalled
+        self._start = now

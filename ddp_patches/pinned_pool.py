@@ -21,6 +21,28 @@
 # stream: a device-to-host copy into a buffer is ordered after the host-to-device copy that last read it. Buffers
 # are therefore kept per device (NOTE [Several devices] in offload.py): a buffer last read by device 0's stream is
 # never handed to device 1's.
+#
+# NOTE [Pinning ahead]
+# Pinning (cudaHostAlloc: page-locking) costs about as much as copying the bytes, and the pool pins lazily: step
+# 1's forward paid for every buffer inside its packs (``stats.pin_ms``), later steps reuse them. The size is
+# known only at the first pack of a class, and the number of checkpointed regions not at all, so a pack that had
+# to take a *new* buffer -- pinned inside it (a miss), or pinned ahead and never used before -- asks a background
+# thread to keep ``prepin_ahead`` free buffers of that class and device: while a layer computes, the thread pins
+# what the next packs take. Only growth asks: once a step's buffers exist, every pack reuses one and nothing more
+# is pinned; when the forward stops growing, at most ``prepin_ahead`` buffers per class stay unused (and are
+# the first taken when it grows again). The rules:
+#   * the cap holds: a buffer pinned ahead counts in ``owned_bytes`` from the moment it is decided, under the
+#     lock, before it is allocated; near the cap the thread takes the class the forward is asking for anyway;
+#   * the forward never waits for the thread: the lock is held for bookkeeping only, never across an allocation,
+#     and a pack that finds no free buffer pins its own, as the lazy pool did. A failure in the thread stops
+#     pinning ahead (``prepin_failed``) and is not reported as the pack's failure;
+#   * never on a CPU-only host: the offloader's default pool pins ahead only where it pins (CUDA);
+#   * nothing to revert: the thread lives while there is something to pin, then ends; it is a daemon.
+# ``reserve(nbytes, count)`` pins ahead synchronously for callers that know their shapes (tests, a warm-up).
+# torchtune's activation offloading (``training/_activation_offloading.py``) pins per tensor at pack
+# (``empty_like(pin_memory=True)``) and relies on torch's caching host allocator from step 2 on: its step 1 pays
+# too. Whether the driver lets cudaHostAlloc on another thread overlap the forward's launches is what
+# benchmarks/offload.py measures (first step, pinned ahead vs lazy); it has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -32,6 +54,7 @@ from collections import defaultdict
 
 import torch
 
+DEFAULT_PREPIN_AHEAD = 2  # free buffers of a growing class kept pinned ahead (NOTE [Pinning ahead])
 _DEFAULT_HOST_SHARE = 0.25  # of the memory this process may use, split between the ranks of a node
 _MIN_CLASS = 1 << 12
 _CGROUP_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -76,12 +99,15 @@ class PinnedBufferPool:
     """Byte buffers (uint8, 1-D, a power of two long) per device, reused across steps, under a hard cap.
 
     ``pin=False`` gives ordinary host memory; CPU-only tests use it to run the same bookkeeping. ``allocate``
-    can be injected (tests: an allocation that fails).
+    can be injected (tests: an allocation that fails, or one that records where it ran). ``prepin_ahead``: free
+    buffers of a growing class to pin on a background thread (NOTE [Pinning ahead]); 0: lazily only.
     """
 
-    def __init__(self, cap_bytes: int, *, pin: bool = True, allocate=None) -> None:
+    def __init__(self, cap_bytes: int, *, pin: bool = True, allocate=None, prepin_ahead: int = 0) -> None:
         if cap_bytes < 0:
             raise ValueError(f"PinnedBufferPool: cap_bytes must be >= 0, got {cap_bytes}")
+        if prepin_ahead < 0:
+            raise ValueError(f"PinnedBufferPool: prepin_ahead must be >= 0, got {prepin_ahead}")
         self.cap_bytes = cap_bytes
         self.pin = pin
         self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=self.pin))
@@ -90,8 +116,14 @@ class PinnedBufferPool:
         self.in_use_bytes = 0
         self.peak_owned_bytes = 0
         self.peak_in_use_bytes = 0
-        self.allocations = 0
-        self.allocate_seconds = 0.0  # spent pinning new buffers (inside a forward: reported per step)
+        self.allocations = 0  # inside acquire(): on the forward's path
+        self.allocate_seconds = 0.0  # spent pinning new buffers inside acquire() (reported per step)
+        self.prepin_ahead = prepin_ahead
+        self.allocated_ahead = 0  # pinned off the forward's path: reserve() and the pinning-ahead thread
+        self.prepin_failed = 0
+        self._unused: set[int] = set()  # ids of buffers pinned ahead and not handed out yet
+        self._wanted: dict[tuple, int] = {}  # (device key, class) -> free buffers the thread should keep
+        self._thread: threading.Thread | None = None
         self.reused = 0
         self.refused = 0
         self.failed = 0
@@ -102,37 +134,105 @@ class PinnedBufferPool:
     def acquire(self, nbytes: int, device: object = None) -> torch.Tensor | None:
         """A buffer of at least ``nbytes`` for ``device``'s copy stream, or None (cap reached, allocation failed)."""
         with self._lock:
-            return self._acquire(nbytes, device)
+            buf, grew = self._acquire(nbytes, device)
+            if grew and self.prepin_ahead:
+                self._pin_ahead(size_class(nbytes), device)
+            return buf
 
-    def _acquire(self, nbytes: int, device: object) -> torch.Tensor | None:
+    def _acquire(self, nbytes: int, device: object) -> tuple[torch.Tensor | None, bool]:
+        """The buffer, and whether it is a new one (pinned now, or ahead and never used): the forward grows."""
         wanted = size_class(nbytes)
         buf = self._take_free(self._free[_key(device)], wanted)
+        grew = buf is not None and id(buf) in self._unused
         if buf is not None:
             self.reused += 1
+            self._unused.discard(id(buf))
         else:
             if self.owned_bytes + wanted > self.cap_bytes:
                 self.refused += 1
-                return None
+                return None, False
             start = time.perf_counter()
             try:
                 buf = self._allocate(wanted)
             except RuntimeError as e:  # cudaHostAlloc refused: keep the tensor on the device instead
                 self.failed += 1
                 self.last_error = str(e).splitlines()[0] if str(e) else type(e).__name__
-                return None
+                return None, False
             finally:
                 self.allocate_seconds += time.perf_counter() - start
             self.allocations += 1
             self.owned_bytes += wanted
             self.peak_owned_bytes = max(self.peak_owned_bytes, self.owned_bytes)
+            grew = True
         self.in_use_bytes += buf.numel()
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        return buf
+        return buf, grew
 
     def release(self, buf: torch.Tensor, device: object = None) -> None:
         with self._lock:
             self.in_use_bytes -= buf.numel()
             self._free[_key(device)][buf.numel()].append(buf)
+
+    # -- pinning ahead (NOTE [Pinning ahead]) -------------------------------------------------------------------
+    def reserve(self, nbytes: int, count: int, device: object = None) -> int:
+        """Pin up to ``count`` free buffers for requests of ``nbytes`` now, within the cap; returns how many."""
+        done = 0
+        while done < count and self._pin_one(size_class(nbytes), device):
+            done += 1
+        return done
+
+    def _pin_ahead(self, wanted: int, device: object) -> None:
+        """(Lock held.) Ask the thread to keep ``prepin_ahead`` free buffers of this class; start it if idle."""
+        self._wanted[(_key(device), wanted)] = self.prepin_ahead
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._pin_wanted, name="ddp_patches-prepin", daemon=True)
+            self._thread.start()
+
+    def _pin_wanted(self) -> None:
+        while True:
+            with self._lock:
+                job = self._next_job()
+                if job is None:
+                    self._thread = None  # under the lock: the next request starts a new thread
+                    return
+            if not self._pin_one(*job):
+                with self._lock:
+                    self._wanted.clear()  # cap reached, or the host refused: stop until a pack grows again
+
+    def _next_job(self) -> tuple[int, object] | None:
+        """(Lock held.) A class with fewer free buffers than wanted, or None."""
+        for (key, wanted), keep in list(self._wanted.items()):
+            if len(self._free[key][wanted]) < keep:
+                return wanted, _device_of(key)
+            del self._wanted[(key, wanted)]
+        return None
+
+    def _pin_one(self, wanted: int, device: object) -> bool:
+        """Allocate one free buffer of class ``wanted`` off the forward's path. The bytes count against the cap
+        before the allocation starts; the lock is not held while it runs."""
+        with self._lock:
+            if self.owned_bytes + wanted > self.cap_bytes:
+                return False
+            self.owned_bytes += wanted
+            self.peak_owned_bytes = max(self.peak_owned_bytes, self.owned_bytes)
+        try:
+            buf = self._allocate(wanted)
+        except RuntimeError:
+            with self._lock:
+                self.owned_bytes -= wanted
+                self.prepin_failed += 1
+            return False
+        with self._lock:
+            self.allocated_ahead += 1
+            self._unused.add(id(buf))
+            self._free[_key(device)][wanted].append(buf)
+        return True
+
+    def join_prepin(self, timeout: float | None = None) -> None:
+        """Wait until the pinning-ahead thread is idle (tests, benchmarks: a layer's compute outlasting it)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
 
     def free_bytes(self) -> int:
         return self.owned_bytes - self.in_use_bytes
@@ -143,6 +243,10 @@ class PinnedBufferPool:
             return by_class[wanted].pop()
         larger = sorted(size for size, bufs in by_class.items() if size > wanted and bufs)
         return by_class[larger[0]].pop() if larger else None
+
+
+def _device_of(key: tuple):
+    return None if key == (None, None) else torch.device(key[0], key[1])
 
 
 def _key(device: object) -> tuple:

@@ -243,3 +243,27 @@ def test_tiled_mlp_without_transformers_is_a_clear_error(monkeypatch):
     with pytest.raises(ImportError, match=r"apply\(tiled_mlp=True\) .* needs transformers .* leave tiled_mlp off"):
         ddp_patches.apply(tiled_mlp=True)
     assert not ddp_patches.is_applied()
+
+
+# -- offload's prefetch depth and in-flight window -----------------------------------------------------------------
+@pytest.mark.parametrize("name", ["offload_prefetch_depth", "offload_max_in_flight"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_offload_depths_must_be_whole_numbers_of_at_least_one(name, value):
+    with pytest.raises(ValueError, match=rf"apply\({name}=\.\.\.\) expects a whole number >= 1 .*got {value!r}; "
+                                         r"leave it out for the default \(1\)"):
+        ddp_patches.apply(offload=True, **{name: value})
+    assert not ddp_patches.is_applied()
+
+
+def test_offload_depths_reach_the_offloader_and_the_launcher():
+    from ddp_patches import autoapply, offload
+
+    report = ddp_patches.apply(offload=True, offload_prefetch_depth=3, offload_max_in_flight=2)
+    off = offload.current()
+    assert (off.prefetch_depth, off.max_in_flight) == (3, 2) and off.restorer.depth == 3
+    assert report.options["offload_prefetch_depth"] == 3 and report.options["offload_max_in_flight"] == 2
+    ddp_patches.revert()
+    env = {"DDP_PATCHES_OFFLOAD_PREFETCH_DEPTH": "2", "DDP_PATCHES_OFFLOAD_MAX_IN_FLIGHT": "4"}
+    assert autoapply.options_from_env(env) == {"offload_prefetch_depth": 2, "offload_max_in_flight": 4}
+    with pytest.raises(ValueError, match="DDP_PATCHES_OFFLOAD_PREFETCH_DEPTH='0' is not valid: expected a number >= 1"):
+        autoapply.options_from_env({"DDP_PATCHES_OFFLOAD_PREFETCH_DEPTH": "0"})

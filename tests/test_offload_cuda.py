@@ -309,3 +309,53 @@ def test_stress_random_lengths_bf16_bit_equal_and_memory_levels_off():
         grown = max(level[k] for level in levels[settled:]) - levels[settled][k]
         assert grown <= slack, f"{name} memory grew by {grown} bytes after step {settled}"
     assert off.last_step.offloaded_tensors == 5
+
+
+# -- any unpack order and pinning ahead (issue 28, item 5) -----------------------------------------------------------
+@pytest.mark.parametrize("order_name", ["forward", "random", "reverse"])
+def test_any_unpack_order_on_streams_bit_identical_and_bounded(order_name):
+    """The CPU contract (test_offload_lifecycle.py) on real streams, with the side stream slowed at random: a
+    dropped guess must make the compute stream wait for its copy before the block is reused."""
+    from tests.test_offload_lifecycle import _any_order_run, _orders
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Linear(1024, 1024) for _ in range(8)).to(DEV).double()
+    order = _orders(len(blocks))[order_name]
+
+    def run(watch=None):
+        got = _any_order_run(blocks, order, watch, shape=(2048, 1024), device=DEV)
+        torch.cuda.synchronize()
+        return got
+
+    with ddp_patches.patched():
+        expected = run()
+    off = gpu_offloader(copier=SlowSideStream(2_000_000, rng=random.Random(1)), prefetch_depth=2)
+    waiting = []
+    with offloading(off):
+        got = run(lambda: waiting.append(off.restorer.waiting()))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert max(waiting) <= 2 and off.pool.in_use_bytes == 0 and not off.live_handles()
+    s = off.last_step or off.stats
+    assert s.copies_in == s.prefetched + s.waited + s.prefetch_dropped
+
+
+def test_first_step_packs_find_pinned_buffers_ready():
+    """Pinning ahead on a real pinned pool: step 1's packs after the first take buffers the background thread
+    pinned (each layer waits for it here, as a large layer's compute would); later steps pin nothing."""
+    blocks = stack(depth=6)
+    off = gpu_offloader()
+    for block in blocks:
+        block.register_forward_pre_hook(lambda *_: off.pool.join_prepin())
+    x = torch.randn(2048, 1024, device=DEV)
+    with ddp_patches.patched():
+        expected = step(blocks, x)
+    assert off.pool.pin and off.pool.prepin_ahead == 2  # the default on a CUDA host
+    with offloading(off):
+        got = step(blocks, x)
+        step(blocks, x)
+        step(blocks, x)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    first, second = off.last_step, off.stats  # windows 2 and 3 (window 1 ended at step 2's first pack)
+    assert off.pool.allocations == 1  # only step 1's first pack pinned on the forward's path
+    assert off.pool.allocated_ahead >= 5 and off.pool.owned_bytes <= off.pool.cap_bytes
+    assert first.pinned_allocations == second.pinned_allocations == 0 and first.prepinned == 0

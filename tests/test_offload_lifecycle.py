@@ -4,6 +4,8 @@ several devices), each through the real pack/unpack path on CPU with the injecte
 from __future__ import annotations
 
 import logging
+import random
+import threading
 
 import pytest
 import torch
@@ -388,3 +390,90 @@ def test_inputs_that_cannot_round_trip_stay_on_the_device(case):
     assert torch.equal(expected, got)
     reason = offload.NON_DENSE if case == "non-dense-view" else offload.NOT_PLAIN
     assert off.stats.kept[reason] >= 1 and off.pool.in_use_bytes == 0
+
+
+# -- 9. any unpack order (torch leaves the order of unpacking saved tensors unspecified) -----------------------------
+def _orders(n: int) -> dict:
+    shuffled = list(range(n))
+    random.Random(0).shuffle(shuffled)
+    return {"forward": list(range(n)), "random": shuffled, "reverse": list(range(n))[::-1]}
+
+
+def _any_order_run(blocks, order: list[int], watch=None, shape=(8, 16), device=None) -> list[torch.Tensor]:
+    """Per-layer gradients taken one region at a time in ``order`` (each ``autograd.grad`` unpacks exactly that
+    region's input), with a full backward under retain_graph halfway through and a last one freeing the graph."""
+    torch.manual_seed(3)
+    h = torch.randn(*shape, dtype=torch.float64, device=device) * 2
+    losses = []
+    for block in blocks:  # only scalars are kept: every layer input is held by its saved-tensor handle alone
+        h = checkpoint(lambda t, b=block: b(t).tanh(), h, use_reentrant=False)
+        losses.append(h.sum() * 1.0)
+    del h
+    got = []
+    for step, k in enumerate(order):
+        got += torch.autograd.grad(losses[k], list(blocks[k].parameters()), retain_graph=True)
+        if watch is not None:
+            watch()
+        if step == len(order) // 2:  # a second backward of the same graph, interleaved
+            got += torch.autograd.grad(sum(losses), list(blocks.parameters()), retain_graph=True)
+    got += torch.autograd.grad(sum(losses), list(blocks.parameters()))  # frees the graph
+    return got
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("order_name", ["forward", "random", "reverse"])
+def test_any_unpack_order_gives_exact_gradients_and_bounded_copies(order_name, depth):
+    """Values are right whatever the order; prefetched tensors waiting for their unpack never exceed
+    ``prefetch_depth`` (a wrong guess is dropped, not piled up); every input crosses back at most once unless a
+    dropped guess is needed later; nothing is held once the graph is freed."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(nn.Linear(16, 16).double() for _ in range(8))
+    order = _orders(len(blocks))[order_name]
+    with ddp_patches.patched():
+        expected = _any_order_run(blocks, order)
+    off = forced(prefetch_depth=depth)
+    waiting = []
+    with offloading(off):
+        got = _any_order_run(blocks, order,
+                             watch=lambda: waiting.append(sum(h.prefetched is not None for h in off.live_handles())))
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(expected, got))
+    s = off.last_step or off.stats
+    assert max(waiting) <= depth, f"{max(waiting)} prefetched tensors waiting at once, prefetch_depth {depth}"
+    assert s.offloaded_tensors == 7 and s.kept_last == 1  # 8 inputs, the last still in the in-flight window
+    assert s.copies_in == s.prefetched + s.waited + s.prefetch_dropped  # every copy in is used or dropped
+    assert s.prefetched + s.waited == 7  # each offloaded input was brought back exactly once
+    assert s.copies_in <= 7 + s.prefetch_dropped
+    if order_name == "reverse":
+        assert s.waited == 0 and s.prefetch_dropped == 0  # the order the prefetch guesses: all ahead, none wasted
+    assert not off.live_handles() and off.pool.in_use_bytes == 0  # graph freed: no tensor or buffer held
+
+
+# -- 10. step 1 does not pay for pinning (NOTE [Pinning ahead] in pinned_pool.py) -------------------------------------
+def test_step_one_packs_find_buffers_pinned_ahead_and_the_cap_holds():
+    from ddp_patches.pinned_pool import PinnedBufferPool
+
+    inside, ahead = [], []
+
+    def allocate(n):  # which thread pinned it: the forward's (inside a pack) or the pinning-ahead one
+        (inside if threading.current_thread() is threading.main_thread() else ahead).append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    torch.manual_seed(0)
+    model = CheckpointStack(depth=6).double()
+    one = size_class(8 * 20 * 8)
+    pool = PinnedBufferPool(7 * one, pin=False, allocate=allocate, prepin_ahead=2)
+    for block in model.blocks:  # each layer's compute outlasts one pinning, as on a GPU with large layers
+        block.register_forward_pre_hook(lambda *_: pool.join_prepin())
+    x = torch.randn(8, 20, dtype=torch.float64)
+    with ddp_patches.patched():
+        expected = grads(model, x)
+    with offloading(forced(pool=pool)) as off:
+        got = grads(model, x)
+        first_step_inside = len(inside)
+        grads(model, x)
+        pool.join_prepin()
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert first_step_inside == 1  # only the first pack of step 1 pinned on the forward's path; 5 found one ready
+    assert len(inside) == 1 and off.last_step.pinned_allocations == 1 and off.last_step.prepinned >= 5
+    assert pool.owned_bytes <= pool.cap_bytes == 7 * one  # 6 used, one more ahead: the cap, not prepin_ahead, bounds it
+    assert len(ahead) == 6 and off.stats.offloaded_tensors == 5  # step 2 reused everything: nothing more pinned

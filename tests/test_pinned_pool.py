@@ -4,6 +4,7 @@ a cgroup-aware default cap, and a failed allocation that is a refusal, not an ex
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -105,3 +106,72 @@ def test_cap_respects_the_cgroup_limit(tmp_path, monkeypatch):
 def test_negative_cap_is_an_error():
     with pytest.raises(ValueError, match="cap_bytes must be >= 0"):
         PinnedBufferPool(-1, pin=False)
+
+
+# -- pinning ahead (NOTE [Pinning ahead]) ------------------------------------------------------------------------
+class RecordingAllocate:
+    """An ``allocate`` that records which thread pinned each buffer (the forward's, or the pinning-ahead one)."""
+
+    def __init__(self):
+        self.threads: list[str] = []
+
+    def __call__(self, n):
+        self.threads.append(threading.current_thread().name)
+        return torch.empty(n, dtype=torch.uint8)
+
+
+def test_a_growing_class_is_pinned_ahead_off_the_callers_thread():
+    allocate = RecordingAllocate()
+    pool = PinnedBufferPool(1 << 20, pin=False, allocate=allocate, prepin_ahead=2)
+    held = [pool.acquire(5000)]  # the first request of a class: pinned inside it, as lazily
+    for _ in range(5):
+        pool.join_prepin()  # a layer's compute outlasting the pinning
+        held.append(pool.acquire(5000))
+    pool.join_prepin()
+    inside = allocate.threads.count(threading.current_thread().name)
+    assert inside == 1 and pool.allocations == 1 and pool.allocated_ahead == 7  # 5 taken + 2 still free
+    assert pool.free_bytes() == 2 * 8 * KIB  # what stays unused when the growth stops: prepin_ahead buffers
+    for b in held:
+        pool.release(b)
+    before = pool.allocated_ahead
+    for _ in range(2):  # a later step reuses its buffers: nothing more is pinned
+        held = [pool.acquire(5000) for _ in range(6)]
+        pool.join_prepin()
+        for b in held:
+            pool.release(b)
+    assert pool.allocated_ahead == before and pool.allocations == 1
+
+
+def test_pinning_ahead_respects_the_cap_and_stops_on_a_failure():
+    pool = PinnedBufferPool(3 * 8 * KIB, pin=False, prepin_ahead=4)
+    held = [pool.acquire(5000)]
+    pool.join_prepin()
+    assert pool.owned_bytes == 3 * 8 * KIB == pool.peak_owned_bytes  # 2 ahead, not 4: the cap
+    held += [pool.acquire(5000), pool.acquire(5000)]
+    assert pool.acquire(5000) is None and pool.owned_bytes <= pool.cap_bytes
+
+    calls = []
+
+    def fails_ahead(n):
+        calls.append(n)
+        if len(calls) > 1:
+            raise RuntimeError("cudaHostAlloc refused")
+        return torch.empty(n, dtype=torch.uint8)
+
+    pool = PinnedBufferPool(1 << 20, pin=False, allocate=fails_ahead, prepin_ahead=2)
+    assert pool.acquire(5000) is not None
+    pool.join_prepin()
+    assert pool.prepin_failed == 1 and pool.failed == 0 and pool.last_error is None  # not the pack's failure
+    assert pool.owned_bytes == 8 * KIB and len(calls) == 2  # gave up after one failure, gave the bytes back
+
+
+def test_reserve_pins_now_within_the_cap():
+    pool = PinnedBufferPool(4 * 8 * KIB, pin=False)
+    assert pool.reserve(5000, 6) == 4 and pool.allocated_ahead == 4 and pool.allocations == 0
+    assert [pool.acquire(5000) is not None for _ in range(5)] == [True] * 4 + [False]
+    assert pool.allocations == 0  # every request found a buffer pinned ahead
+
+
+def test_negative_prepin_ahead_is_an_error():
+    with pytest.raises(ValueError, match="prepin_ahead must be >= 0"):
+        PinnedBufferPool(0, pin=False, prepin_ahead=-1)
