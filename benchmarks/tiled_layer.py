@@ -220,9 +220,41 @@ def _measure(models, args, tokens: int) -> list:
         row[f"{kind}_s_{variant}_all"] = values
     for (kind, tiled), value in peaks.items():
         row[f"{kind}_peak_{'tiled' if tiled else 'untiled'}"] = value
+    if args.profile:
+        row["profile"] = _profile_layer(steps["layer"], timed)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, row)
     return gathered
+
+
+def _profile_layer(layer, timed, top: int = 12) -> list[dict]:
+    """Where the tiled layer's extra time goes: torch.profiler self time per op, tiled minus untiled, over one
+    forward + backward of the checkpointed layer each; the ``top`` largest differences (ms, and calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = _cuda_available()  # then GPU time per kernel; else CPU self time per op
+
+    def by_op(tiled: bool) -> dict:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            timed(layer, tiled)
+        return {e.key: ((e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3, e.count)
+                for e in prof.key_averages()}
+
+    untiled, tiled = by_op(False), by_op(True)
+    rows = [{"op": op, "extra_ms": tiled.get(op, (0, 0))[0] - untiled.get(op, (0, 0))[0],
+             "calls_tiled": tiled.get(op, (0, 0))[1], "calls_untiled": untiled.get(op, (0, 0))[1]}
+            for op in set(tiled) | set(untiled)]
+    rows.sort(key=lambda r: -abs(r["extra_ms"]))
+    total = {"op": "(all ops)", "extra_ms": sum(v[0] for v in tiled.values()) - sum(v[0] for v in untiled.values()),
+             "calls_tiled": sum(v[1] for v in tiled.values()), "calls_untiled": sum(v[1] for v in untiled.values())}
+    return [total] + rows[:top]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _variant(tiled: bool):
@@ -236,14 +268,14 @@ def _variant(tiled: bool):
 # -- the launcher ----------------------------------------------------------------------------------------------------
 def run(quick: bool = False, *, tokens: list[int] | None = None, hidden: int = 128, intermediate: int = 512,
         heads: int = 2, layers: int = 2, vocab: int = 256, rounds: int | None = None, threads: int = 1,
-        kv_heads: int | None = None, device: str = "cpu") -> dict:
+        kv_heads: int | None = None, device: str = "cpu", profile: bool = False) -> dict:
     """Tiled and untiled side by side on 2 gloo ranks; one row per token count (rank 0's numbers, all kept)."""
     tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
     rounds = rounds or (1 if quick else 3)
     per_token = launch_ranks(os.path.abspath(__file__), 2, [
         "--hidden", str(hidden), "--intermediate", str(intermediate), "--heads", str(heads), "--layers", str(layers),
         "--vocab", str(vocab), "--rounds", str(rounds), "--threads", str(threads),
-        "--kv-heads", str(kv_heads or heads), "--device", device,
+        "--kv-heads", str(kv_heads or heads), "--device", device, *(["--profile"] if profile else []),
         "--tokens", *map(str, tokens)], threads=threads, cuda=device == "cuda")
     rows = []
     for ranks in per_token:
@@ -277,6 +309,15 @@ def _misses(row: dict) -> list[str]:
     if row["mem_target"] and row["mlp_mem_ratio"] < row["mem_target"]:
         misses.append(f"MLP memory {row['mlp_mem_ratio']:.2f}x < {row['mem_target']:g}x")
     return misses
+
+
+def print_profile(report: dict) -> None:
+    for r in report["rows"]:
+        if r.get("profile"):
+            print(f"{r['tokens']} tokens, {r['shards']} shards: self time per op, tiled - untiled (one layer run)")
+            for p in r["profile"]:
+                print(f"  {p['op']:<40} {p['extra_ms']:>+9.2f} ms   calls {p['calls_untiled']:>5} -> "
+                      f"{p['calls_tiled']:>5}")
 
 
 def print_table(report: dict) -> None:
@@ -340,6 +381,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds (default 3; --quick 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--quick", action="store_true", help="8K and 16K tokens, 1 round")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one layer run each way: self time per op, tiled minus untiled")
     p.add_argument("--smoke", action="store_true", help="H=32, I=128, 512/1024 tokens: checks the script only")
     p.add_argument("--out-dir", default=None, help="where <name>.json and the plots go (default benchmarks/results)")
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -351,8 +394,9 @@ def main(argv=None) -> int:
         return 0
     report = run(args.quick, tokens=args.tokens, hidden=args.hidden, intermediate=args.intermediate,
                  heads=args.heads, layers=args.layers, vocab=args.vocab, rounds=args.rounds, threads=args.threads,
-                 kv_heads=args.kv_heads, device=args.device)
+                 kv_heads=args.kv_heads, device=args.device, profile=args.profile)
     finish(sys.modules[__name__], report, args.out_dir)
+    print_profile(report)
     return 0
 
 

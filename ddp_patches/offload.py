@@ -81,7 +81,9 @@
 # NOTE [Several devices]
 # A model split over GPUs in one process (``device_map``) packs inputs from several devices. Each device has its
 # own copy stream, and the pool keeps free buffers per device, because buffer reuse is ordered by the copy
-# stream: a buffer released after device 0's stream read it must not be written by device 1's stream.
+# stream: a buffer released after device 0's stream read it must not be written by device 1's stream. In backward
+# autograd runs each device's nodes on a thread of its own, so unpacks of two devices can run at once: unpack holds
+# a lock around the restorer's bookkeeping (uncontended on one device: no cost worth measuring).
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import weakref
 from typing import Callable, Iterator
 
@@ -229,6 +232,7 @@ class CheckpointInputOffloader:
         self._copier = copier
         self._measure_stalls = measure_stalls
         self.restorer = Restorer(lambda: self.copier, prefetch_depth)
+        self._unpack_lock = threading.RLock()
         self.window = StepWindow(step=1)
         self.last_step: OffloadStats | None = None
         self._meter = ResourceMeter()
@@ -372,7 +376,10 @@ class CheckpointInputOffloader:
             return packed.unpack()
         if not isinstance(packed, _Offloaded):
             return packed  # a tensor returned untouched by pack (during backward)
-        return self.restorer.unpack(packed, self.window)
+        # A model split over GPUs (``device_map``) is unpacked on autograd's per-device threads at once; the
+        # restorer's guesses and the window's counts are shared between them (NOTE [Several devices]).
+        with self._unpack_lock:
+            return self.restorer.unpack(packed, self.window)
 
     # -- step windows (NOTE [Step windows]) --------------------------------------------------------------------
     def _maybe_new_window(self) -> None:
