@@ -153,3 +153,23 @@ def plot_pair(path: str, x: list, series: dict[str, list], ratio: list, *, xlabe
         for ax in (left, right):
             ax.set_xscale("log", base=2)
     return save_figure(fig, (left, right), title, path)
+
+
+def cuda_memory_peaks(fn) -> dict:
+    """The three peak counters of ``fn`` on CUDA, each beyond its level before: ACTIVE bytes (allocated plus freed
+    blocks not yet reusable), ALLOCATED bytes and RESERVED bytes (segments the caching allocator holds), and the
+    allocator's retries (a cudaMalloc that failed, cached segments released, tried again). Figures to report beside
+    a judge, not a judge: none of them alone decides whether a step fits under a cap (benchmarks/max_seq.py, NOTE
+    [The judge is the first OOM, not a peak counter]). Raises what ``fn`` raises (torch.OutOfMemoryError)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    now = torch.cuda.memory_stats()
+    return {name: now[f"{key}.all.peak"] - before[f"{key}.all.current"]
+            for name, key in (("active", "active_bytes"), ("allocated", "allocated_bytes"),
+                              ("reserved", "reserved_bytes"))} | {
+        "alloc_retries": now.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)}

@@ -82,6 +82,74 @@ def test_gpu_proof_dry_run_and_its_readers(tmp_path):
     assert len(json.loads((tmp_path / "merged.json").read_text())["steps"]) == 2 * len(proof["steps"])
 
 
+def test_gpu_proof_groups_fit_two_ten_minute_calls(tmp_path):
+    """Every step is in exactly one group, each group's step limits sum to <= 570 s (a call is 10 minutes), and
+    ``--steps part1`` runs that group's steps, in the proof's order."""
+    from benchmarks import gpu_proof
+
+    names = [s.name for s in gpu_proof.steps("/tmp")]
+    grouped = [n for group in gpu_proof.GROUPS.values() for n in group]
+    assert sorted(grouped) == sorted(names) and len(grouped) == len(set(grouped))
+    limits = {s.name: s.timeout for s in gpu_proof.steps("/tmp")}
+    for group, members in gpu_proof.GROUPS.items():
+        assert sum(limits[n] for n in members) <= gpu_proof.GROUP_LIMIT_S <= 570, group
+    for group, members in gpu_proof.GROUPS.items():
+        out = tmp_path / f"{group}.json"
+        proc = _run(["-m", "benchmarks.gpu_proof", "--dry-run", "--steps", group, "--out", str(out)])
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [s["name"] for s in json.loads(out.read_text())["steps"]] == list(members)
+    chosen, unknown = gpu_proof.select(gpu_proof.steps("/tmp"), "part2,cuda-tests,nope")
+    assert [s.name for s in chosen] == ["cuda-tests", *gpu_proof.GROUPS["part2"]] and unknown == ["nope"]
+
+
+def test_gpu_proof_reads_the_new_steps_outputs():
+    """The readers of the part2 steps, on outputs shaped as the scripts write them (a GPU run cannot be had in
+    CI): the tiled layer's rows as a list or a mapping, the CUDA overhead section, the host-sync test, max_seq."""
+    from benchmarks import gpu_proof
+
+    row = {"tokens": 8192, "layer_time_ratio": 1.02, "step_time_ratio": 1.01, "mlp_mem_ratio": 9.5, "misses": []}
+    judged = gpu_proof.judge("tiled-layer-cuda", 0, "", {"rows": [row]})
+    assert judged["status"] == "pass" and "8192: layer time 1.02x" in judged["summary"]
+    by_length = {k: v for k, v in row.items() if k != "tokens"}
+    judged = gpu_proof.judge("tiled-layer-cuda", 0, "", {"rows": {"32768": {**by_length, "misses": ["time 1.2x"]}}})
+    assert judged["status"] == "missed targets" and judged["summary"].startswith("32768:")
+    assert "| 32768 | 1.02x | 1.01x | 9.50x | — | — |" in gpu_proof.tiled_layer_table({"32768": by_length})
+    assert gpu_proof.judge("tiled-layer-cuda", 0, "", {"rows": []})["status"] == "fail"
+
+    section = {"trainable_tensors": 10336, "patched_over_unpatched": 1.01, "fu_false_error": "Expected to have",
+               "hooks": {"patched": {"us_per_step": {"settle": 900.0, "post_hooks": 300.0}, "total_us": 1200.0,
+                                     "fraction_of_step": 0.012}}, "misses": []}
+    judged = gpu_proof.judge("ddp-overhead-cuda", 0, "", {"configs": {"many-tensors on cuda": section}})
+    assert judged["status"] == "pass" and "1.010x" in judged["summary"] and "largest: settle" in judged["summary"]
+    cpu_only = {"configs": {"many-tensors on cpu": section}}
+    assert gpu_proof.judge("ddp-overhead-cuda", 0, "", cpu_only)["status"] == "fail"
+
+    passed = "PASSED tests/test_reach_protocol.py::test_a_synced_step_adds_no_device_synchronisation_on_cuda\n1 passed"
+    assert gpu_proof.judge("host-sync-cuda", 0, passed, None)["summary"].startswith("0 host-device")
+    skipped = "SKIPPED [1] tests/test_reach_protocol.py:267: needs CUDA\n1 skipped, 40 deselected"
+    assert gpu_proof.judge("host-sync-cuda", 0, skipped, None)["status"] == "fail"  # a skip proves nothing
+    failed = ("FAILED tests/test_reach_protocol.py::test_a_synced - AssertionError\n"
+              "E       AssertionError: rank 0 step 2: ['called a synchronizing CUDA operation']\n1 failed")
+    assert "rank 0 step 2" in gpu_proof.judge("host-sync-cuda", 1, failed, None)["summary"]
+
+    probes = [{"seq": 65536, "fits": True, "step1": {"active": 3 << 30, "reserved": 4 << 30},
+               "step2": {"active": 3 << 30, "reserved": 4 << 30}}]
+    side = {"max_seq": 65536, "bounded_by": None, "probes": probes, "seconds": 10.0}
+    result = {"setup": {"device": "cuda", "budget_mib": 30720, "layers": 4, "hidden": 4096},
+              "patched": {**side, "max_seq": 65536, "parts": {"tokens": 65536, "limit": "attention_one_layer",
+                                                              "per_token": {"attention_one_layer": 40960.0}}},
+              "best_unpatched": {**side, "max_seq": 32768, "probes": []}, "plain_hf": {**side, "max_seq": 4096,
+                                                                                      "probes": []},
+              "ratios": {"over_best_unpatched": 2.0, "over_plain_hf": 16.0, "lower_bound": False},
+              "goals": {"over_best_unpatched": 4.0, "over_plain_hf": 16.0}}
+    judged = gpu_proof.judge("max-seq-cuda", 0, "", result)
+    assert judged["status"] == "missed targets" and "2.00x over (a)" in judged["summary"]
+    assert "limit: attention_one_layer" in judged["summary"]
+    section = gpu_proof.readme_section({"environment": {"date": "2026-01-01"}, "steps": [
+        {"name": "max-seq-cuda", "status": judged["status"], "summary": judged["summary"], "result": result}]})
+    assert "| patched | 65536 | first OOM | 3.0 / 4.0 GiB | 1 |" in section and "Limit: attention_one_layer" in section
+
+
 def test_committed_gpu_proof_matches_the_readme_section():
     """The README's GPU section is generated from docs/gpu-proof.json, not edited by hand."""
     from benchmarks import gpu_proof
@@ -93,12 +161,25 @@ def test_committed_gpu_proof_matches_the_readme_section():
 
 
 def test_max_seq_smoke_finds_a_length_on_each_side(tmp_path):
+    """Three sides (patched, (a) best unpatched, (b) plain HF), the per-token parts at the patched maximum with the
+    name of the largest, the ratios against both, and the README row."""
     proc = _run(["benchmarks/max_seq.py", "--smoke", "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "max_seq.json").read_text())
-    assert report["unpatched"]["max_seq"] > 0 and report["patched"]["max_seq"] > 0
+    assert all(report[side]["max_seq"] > 0 for side in ("patched", "best_unpatched", "plain_hf"))
     assert report["patched"]["tiled_calls"] > 0  # the patched side really tiled
-    assert set(report["unpatched"]["parts_per_token"]) >= {"checkpoint_inputs", "mlp_one_layer", "attention_one_layer"}
+    parts = report["patched"]["parts"]
+    assert parts["tokens"] == report["patched"]["max_seq"] and parts["limit"] in parts["per_token"]
+    assert set(parts["per_token"]) >= {"checkpoint_inputs_device", "checkpoint_inputs_host", "attention_one_layer",
+                                       "mlp_one_layer", "fused_head", "rest"}
+    assert report["ratios"]["over_best_unpatched"] == report["patched"]["max_seq"] / report["best_unpatched"]["max_seq"]
+    assert all(p["fits"] == (p["peak_bytes"] <= 8 << 20) for p in report["plain_hf"]["probes"])  # the CPU judge
+    sys.path.insert(0, ROOT)
+    from benchmarks import max_seq
+
+    row = max_seq.summarize(report)[0]
+    assert "(a) best unpatched" in row and "over (b)" in row and f"limit: {parts['limit']}" in row
+    assert (tmp_path / "max_seq.png").stat().st_size > 0
 
 
 # What torchrun printed when a rank of an unpatched TRL sft.py run aborted at exit in CI (stop 24), shortened.
