@@ -110,7 +110,10 @@ class Restorer:
         stale = [r for r in self._waiting if all(r() is not h for h in targets)]
         for ref in stale[:max(0, len(self._waiting) - self.depth)]:
             self._waiting.remove(ref)
-            ref().prefetched = None  # PrefetchedInput.__del__: the stream waits for the copy before reuse
+            h = ref()
+            if h is None:  # died since the filter above (a collection ran): its prefetch went with it
+                continue
+            h.prefetched = None  # PrefetchedInput.__del__: the stream waits for the copy before reuse
             stats.prefetch_dropped += 1
 
     def waiting(self) -> int:

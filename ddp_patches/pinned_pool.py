@@ -33,9 +33,9 @@
 # the first taken when it grows again). The rules:
 #   * the cap holds: a buffer pinned ahead counts in ``owned_bytes`` from the moment it is decided, under the
 #     lock, before it is allocated; near the cap the thread takes the class the forward is asking for anyway;
-#   * the forward never waits for the thread: the lock is held for bookkeeping only, never across an allocation,
-#     and a pack that finds no free buffer pins its own, as the lazy pool did. A failure in the thread stops
-#     pinning ahead (``prepin_failed``) and is not reported as the pack's failure;
+#   * the forward never waits for the thread: the thread holds the lock for bookkeeping only, never across its
+#     allocations, and a pack that finds no free buffer pins its own under the lock, as the lazy pool did. A
+#     failure in the thread stops pinning ahead (``prepin_failed``) and is not reported as the pack's failure;
 #   * never on a CPU-only host: the offloader's default pool pins ahead only where it pins (CUDA);
 #   * nothing to revert: the thread lives while there is something to pin, then ends; it is a daemon.
 # ``reserve(nbytes, count)`` pins ahead synchronously for callers that know their shapes (tests, a warm-up).
@@ -128,12 +128,15 @@ class PinnedBufferPool:
         self.refused = 0
         self.failed = 0
         self.last_error: str | None = None
-        # release() also runs from autograd's device threads (a handle freed in backward), one per GPU
-        self._lock = threading.Lock()
+        # release() also runs from autograd's device threads (a handle freed in backward), one per GPU, and from a
+        # garbage collection inside the pool's own bookkeeping: NOTE [Releases from a garbage collection]
+        self._lock = threading.RLock()
+        self._depth = 0  # how deep the thread holding the lock is inside the pool's bookkeeping
+        self._returned: list[tuple[torch.Tensor, object]] = []  # releases deferred to the end of that bookkeeping
 
     def acquire(self, nbytes: int, device: object = None) -> torch.Tensor | None:
         """A buffer of at least ``nbytes`` for ``device``'s copy stream, or None (cap reached, allocation failed)."""
-        with self._lock:
+        with self._guard():
             buf, grew = self._acquire(nbytes, device)
             if grew and self.prepin_ahead:
                 self._pin_ahead(size_class(nbytes), device)
@@ -169,9 +172,28 @@ class PinnedBufferPool:
         return buf, grew
 
     def release(self, buf: torch.Tensor, device: object = None) -> None:
-        with self._lock:
-            self.in_use_bytes -= buf.numel()
-            self._free[_key(device)][buf.numel()].append(buf)
+        with self._guard():
+            if self._depth > 1:  # re-entered by a finalizer mid-bookkeeping: applied when that bookkeeping ends
+                self._returned.append((buf, device))
+                return
+            self._give_back(buf, device)
+
+    def _give_back(self, buf: torch.Tensor, device: object) -> None:
+        self.in_use_bytes -= buf.numel()
+        self._free[_key(device)][buf.numel()].append(buf)
+
+    # NOTE [Releases from a garbage collection]
+    # release() is a handle's finalizer (weakref.finalize in offload.py). A handle whose graph died in a reference
+    # cycle (a forward thrown away while an exception's traceback, or any object in a cycle, held its output) is
+    # freed by the cyclic garbage collector, and a collection can start at any allocation of a Python object: also
+    # inside the pool's own bookkeeping, on the thread that holds the lock (a new tensor in ``_allocate``, a list in
+    # ``_take_free`` or in the pinning-ahead thread's ``_next_job``). With a plain lock, that release waited for the
+    # lock its own thread held: the rank hung in the forward (or the pinning-ahead thread did, and every later pack
+    # with it). The lock is therefore reentrant, and a release that finds its own thread already inside the
+    # bookkeeping (``_depth`` > 1) is deferred: applied when the outermost section ends, so no free list changes
+    # under an iteration and no count is read half-updated. Other threads still wait for the lock as before.
+    def _guard(self) -> "_Guard":
+        return _Guard(self)
 
     # -- pinning ahead (NOTE [Pinning ahead]) -------------------------------------------------------------------
     def reserve(self, nbytes: int, count: int, device: object = None) -> int:
@@ -190,13 +212,13 @@ class PinnedBufferPool:
 
     def _pin_wanted(self) -> None:
         while True:
-            with self._lock:
+            with self._guard():
                 job = self._next_job()
                 if job is None:
                     self._thread = None  # under the lock: the next request starts a new thread
                     return
             if not self._pin_one(*job):
-                with self._lock:
+                with self._guard():
                     self._wanted.clear()  # cap reached, or the host refused: stop until a pack grows again
 
     def _next_job(self) -> tuple[int, object] | None:
@@ -210,7 +232,7 @@ class PinnedBufferPool:
     def _pin_one(self, wanted: int, device: object) -> bool:
         """Allocate one free buffer of class ``wanted`` off the forward's path. The bytes count against the cap
         before the allocation starts; the lock is not held while it runs."""
-        with self._lock:
+        with self._guard():
             if self.owned_bytes + wanted > self.cap_bytes:
                 return False
             self.owned_bytes += wanted
@@ -218,11 +240,11 @@ class PinnedBufferPool:
         try:
             buf = self._allocate(wanted)
         except RuntimeError:
-            with self._lock:
+            with self._guard():
                 self.owned_bytes -= wanted
                 self.prepin_failed += 1
             return False
-        with self._lock:
+        with self._guard():
             self.allocated_ahead += 1
             self._unused.add(id(buf))
             self._free[_key(device)][wanted].append(buf)
@@ -243,6 +265,29 @@ class PinnedBufferPool:
             return by_class[wanted].pop()
         larger = sorted(size for size, bufs in by_class.items() if size > wanted and bufs)
         return by_class[larger[0]].pop() if larger else None
+
+
+class _Guard:
+    """The pool's lock, counting how deep its holder is inside the bookkeeping; the outermost section applies the
+    releases deferred inside it (NOTE [Releases from a garbage collection])."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: PinnedBufferPool) -> None:
+        self.pool = pool
+
+    def __enter__(self) -> None:
+        self.pool._lock.acquire()
+        self.pool._depth += 1
+
+    def __exit__(self, *exc) -> None:
+        pool = self.pool
+        try:
+            while pool._depth == 1 and pool._returned:  # a release deferred now is still applied by this loop
+                pool._give_back(*pool._returned.pop())
+        finally:
+            pool._depth -= 1
+            pool._lock.release()
 
 
 def _device_of(key: tuple):

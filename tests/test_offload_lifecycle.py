@@ -3,6 +3,7 @@ several devices), each through the real pack/unpack path on CPU with the injecte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -477,3 +478,55 @@ def test_step_one_packs_find_buffers_pinned_ahead_and_the_cap_holds():
     assert len(inside) == 1 and off.last_step.pinned_allocations == 1 and off.last_step.prepinned >= 5
     assert pool.owned_bytes <= pool.cap_bytes == 7 * one  # 6 used, one more ahead: the cap, not prepin_ahead, bounds it
     assert len(ahead) == 6 and off.stats.offloaded_tensors == 5  # step 2 reused everything: nothing more pinned
+
+
+# -- 11. a graph freed by the cyclic garbage collector (NOTE [Releases from a garbage collection] in pinned_pool.py) --
+def _cycle_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A forward thrown away inside a reference cycle (an evaluation whose output an object in a cycle kept), then
+    the step's own loss. The thrown-away graph's handles die only when the cyclic GC runs."""
+    from ddp_patches.verify.raw_models import raw_loss
+
+    holder = {"out": model(x[:, :-1] * 0.5)}
+    holder["self"] = holder
+    del holder
+    return raw_loss(model, x)
+
+
+def gc_cycle_case(with_library: bool) -> dict:
+    """2 ranks, DDP over a checkpointed stack, different data per rank; every new host buffer starts a collection
+    (as the Python tensor object a pinned allocation makes can), which frees the thrown-away graph while the pool
+    is inside its own bookkeeping. Without the library it trains; with offload it must too (it hung), with the
+    gradients of the single-process reference on the global batch."""
+    import gc
+
+    from ddp_patches.pinned_pool import PinnedBufferPool
+    from ddp_patches.verify.cpu_offload import cpu_path_offloader
+    from ddp_patches.verify.parity import run_parity
+    from ddp_patches.verify.raw_models import raw_batch
+
+    def allocate(n: int) -> torch.Tensor:
+        gc.collect()
+        return torch.empty(n, dtype=torch.uint8)
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ddp_patches").addHandler(handler)
+    pool = PinnedBufferPool(1 << 30, pin=False, allocate=allocate)
+    off = cpu_path_offloader(pool=pool)  # gated as the default: distributed, under DDP
+    gc.disable()  # collections happen only where allocate() starts them
+    try:
+        with offloading(off) if with_library else contextlib.nullcontext():
+            parity = run_parity(lambda: CheckpointStack().double(), raw_batch, torch.cat, _cycle_loss, iters=2)
+    finally:
+        gc.enable()
+        logging.getLogger("ddp_patches").removeHandler(handler)
+    return {"parity": parity.as_dict(), "offloaded": off.stats.step > 1 or off.stats.offloaded_tensors > 0,
+            "warnings": [w for w in warnings if "inert" not in w]}
+
+
+@pytest.mark.parametrize("with_library", [False, True], ids=["without-library", "with-library"])
+def test_graph_freed_by_a_gc_inside_the_pools_bookkeeping_does_not_hang(pool, with_library):
+    for r in pool.run(gc_cycle_case, timeout=60, with_library=with_library):
+        assert r["parity"]["max_rel_error"] < 1e-12 and r["parity"]["ranks_in_sync"], r
+        assert r["offloaded"] == with_library and not r["warnings"], r

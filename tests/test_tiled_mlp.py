@@ -3,6 +3,7 @@ each DDP hook firing once per step, dropout replay, every family's MLP class, QL
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import math
@@ -318,3 +319,43 @@ def test_intermediate_size_read_or_measured():
     wrapped = MLP(nn.Sequential(nn.Linear(8, 24), nn.Identity()))
     assert tiled_mlp._intermediate(wrapped, x) == 24
     assert tiled_mlp._intermediate(wrapped, x) == 24  # cached: measured once
+
+
+def penalty_loss(model, batch) -> torch.Tensor:
+    """The stack's loss plus a gradient penalty on its input (create_graph=True: a double backward through every
+    MLP, as in R1 / WGAN-GP regularisation). A list of batches (the reference): the mean over them."""
+    if isinstance(batch, list):
+        return sum(penalty_loss(model, b) for b in batch) / len(batch)
+    batch = batch.detach().requires_grad_()
+    out = model(batch)
+    (grad_in,) = torch.autograd.grad(out.pow(2).sum(), batch, create_graph=True)
+    return (out.pow(2).sum() + grad_in.pow(2).sum()) / mlp_models.NORM
+
+
+def double_backward_case(patched: bool) -> dict:
+    """2 ranks, different lengths: DDP with the gradient penalty, against the untiled full-batch reference; without
+    the library, and with it (tiled in shards of SHARD tokens)."""
+    from ddp_patches.verify.parity import run_parity
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ddp_patches").addHandler(handler)
+    try:
+        with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD) if patched else contextlib.nullcontext():
+            result = run_parity(lambda: mlp_models.build_stack("llama"), mlp_models.stack_batch, list, penalty_loss,
+                                iters=2, lr=0.1, reference_context=tiled_mlp.untiled).as_dict()
+            result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"] if patched else 0
+    finally:
+        logging.getLogger("ddp_patches").removeHandler(handler)
+    result["warnings"] = warnings
+    return result
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["without-library", "with-library"])
+def test_double_backward_through_tiled_mlp_matches_untiled(pool, patched):
+    """A gradient penalty differentiates the MLP's backward: the tiled backward must itself be differentiable
+    (it returned constants, and the penalty's gradients were silently wrong)."""
+    for r in pool.run(double_backward_case, patched=patched):
+        assert r["max_rel_error"] <= 1e-9 and r["ranks_in_sync"] and not r["warnings"], r
+        assert r["tiled_calls"] > 0 or not patched
