@@ -199,9 +199,10 @@ def summarize(report: dict) -> list[str]:
     for r in report["rows"]:
         target = f">= {r['mem_target']:g}x memory, <= {TIME_TARGET}x time" if r["mem_target"] else \
             f"<= {TIME_TARGET}x time"
-        how = "tiled" if _tiles(r) == "yes" else "runs untiled (auto rule)"
+        how = f"tiled in {r['shards']}" if _tiles(r) == "yes" else "runs untiled (auto rule)"
         where = "GPU" if report["setup"].get("device") == "cuda" else "CPU"
-        out.append(f"| tiled MLP, {r['tokens']} tokens, {how} ({where}, 2 ranks) | {r['mem_ratio']:.2f}x less memory, "
+        out.append(f"| tiled MLP alone, no checkpoint (1 forward + backward vs 2 + backward), {r['tokens']} tokens, "
+                   f"{how} ({where}, 2 ranks) | {r['mem_ratio']:.2f}x less memory, "
                    f"{r['time_ratio']:.2f}x time | {target} | "
                    f"{'missed: ' + '; '.join(r['misses']) if r['misses'] else 'met'} |")
     return out
