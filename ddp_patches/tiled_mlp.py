@@ -181,10 +181,15 @@ class TiledMLPFunction(torch.autograd.Function):
                 if g is not None:
                     grads[i] = g if grads[i] is None else grads[i].add_(g)
             start += shard.shape[0]
-        for i in wanted:  # a parameter no shard used still gets a gradient: zeros, as the untiled graph's
-            if grads[i] is None:
-                grads[i] = torch.zeros_like(ctx.params[i])
-        return (None, None, None, None, dx, *grads)
+        return (None, None, None, None, dx, *_fill_unused(ctx, grads, wanted))
+
+
+def _fill_unused(ctx, grads: list, wanted: list[int]) -> list:
+    """A wanted parameter no shard used still gets a gradient: zeros, as the untiled graph's."""
+    for i in wanted:
+        if grads[i] is None:
+            grads[i] = torch.zeros_like(ctx.params[i])
+    return grads
 
 
 def _shard_grads(ctx, shard: torch.Tensor, g_shard: torch.Tensor, rng: tuple, want_x: bool, wanted: list[int],
@@ -218,10 +223,7 @@ def _differentiable_grads(ctx, x2d: torch.Tensor, grad_out: torch.Tensor, want_x
         for i, g in zip(wanted, got):
             if g is not None:
                 grads[i] = g if grads[i] is None else grads[i] + g
-    for i in wanted:
-        if grads[i] is None:
-            grads[i] = torch.zeros_like(ctx.params[i])
-    return [torch.cat(dx_parts) if want_x else None, *grads]
+    return [torch.cat(dx_parts) if want_x else None, *_fill_unused(ctx, grads, wanted)]
 
 
 def apply_tiled(forward_fn: Callable, rows: list[int], x2d: torch.Tensor,
