@@ -77,33 +77,77 @@ def test_gpu_proof_dry_run_and_its_readers(tmp_path):
     assert gpu_proof.judge("offload-gpu-bound", 0, "", rows)["status"] == "missed targets"
     section = gpu_proof.readme_section({"environment": {"date": "2026-01-01"}, "steps": [
         {"name": "cuda-tests", "status": "pass", "summary": "3 passed"}]})
-    assert section.startswith(gpu_proof.START) and section.endswith(gpu_proof.END) and "| cuda-tests | pass |" in section
+    assert section.startswith(gpu_proof.START) and section.endswith(gpu_proof.END) and "| cuda-tests | — | pass |" in section
     assert gpu_proof.merge([str(out), str(out)], str(tmp_path / "merged.json"), readme=False) == 0
-    assert len(json.loads((tmp_path / "merged.json").read_text())["steps"]) == 2 * len(proof["steps"])
+    assert len(json.loads((tmp_path / "merged.json").read_text())["steps"]) == len(proof["steps"])
 
 
-def test_gpu_proof_groups_fit_two_ten_minute_calls(tmp_path):
-    """Every step is in exactly one group, each group's step limits sum to <= 570 s (a call is 10 minutes), and
-    ``--steps part1`` runs that group's steps, in the proof's order."""
+def test_gpu_proof_dry_run_never_touches_the_committed_results(tmp_path):
+    """A dry run without --out writes nothing (it used to replace docs/gpu-proof.json with placeholders), and one
+    that names the committed file is refused."""
+    from benchmarks import gpu_proof
+
+    before = open(gpu_proof.DEFAULT_OUT, "rb").read()
+    proc = _run(["-m", "benchmarks.gpu_proof", "--dry-run"])
+    assert proc.returncode == 0 and "wrote" not in proc.stdout, proc.stdout + proc.stderr
+    proc = _run(["-m", "benchmarks.gpu_proof", "--dry-run", "--out", gpu_proof.DEFAULT_OUT])
+    assert proc.returncode == 2 and "never writes" in proc.stdout
+    assert open(gpu_proof.DEFAULT_OUT, "rb").read() == before
+
+
+def test_gpu_proof_keeps_earlier_evidence_when_it_merges():
+    """A new run replaces a step's record only where it ran the step; steps never run say so; each record keeps
+    the run (date, GPU) that gave it, and the runs list keeps only runs that some step still cites."""
+    from benchmarks import gpu_proof
+
+    old_env = {"date": "2026-11-23", "gpu": "H100"}
+    new_env = {"date": "2026-12-01", "gpu": "H200"}
+    older = {"environment": old_env, "runs": [old_env], "dry_run": False, "steps": [
+        {"name": "cuda-tests", "status": "pass", "summary": "13 passed", "date": "2026-11-23", "gpu": "H100"},
+        {"name": "offload-small", "status": "pass", "summary": "targets met", "date": "2026-11-23", "gpu": "H100"}]}
+    newer = {"environment": new_env, "runs": [new_env], "dry_run": False, "steps": [
+        {"name": "max-seq-cuda", "status": "missed targets", "summary": "2x", "date": "2026-12-01", "gpu": "H200"},
+        {"name": "cuda-tests", "status": "not run", "summary": "no time left", "date": "2026-12-01", "gpu": "H200"},
+        {"name": "offload-small", "status": "fail", "summary": "exit 1", "date": "2026-12-01", "gpu": "H200"}]}
+    merged = gpu_proof.combine(older, newer)
+    by = {r["name"]: r for r in merged["steps"]}
+    assert [r["name"] for r in merged["steps"]] == [s.name for s in gpu_proof.steps("/tmp")]
+    assert by["cuda-tests"]["summary"] == "13 passed" and by["offload-small"]["status"] == "fail"
+    assert by["tiled-layer-cuda"] == {"name": "tiled-layer-cuda", "status": "not run",
+                                      "summary": "never run on a GPU yet"}
+    assert merged["runs"] == [old_env, new_env] and merged["environment"] == new_env
+    section = gpu_proof.readme_section(merged)
+    assert "GPU run of 2026-11-23 on H100" in section and "GPU run of 2026-12-01 on H200" in section
+    assert "| cuda-tests | 2026-11-23 | pass | 13 passed |" in section
+
+
+def test_gpu_proof_default_group_fits_one_call(tmp_path):
+    """Every step is in exactly one group; the default group is the four steps never run on a GPU, most valuable
+    first, and its limits plus the harness's own seconds fit one device call of 540 s, as --dry-run reports
+    (NOTE [One call, new evidence first]); ``--steps`` runs a group's steps in the proof's order."""
     from benchmarks import gpu_proof
 
     names = [s.name for s in gpu_proof.steps("/tmp")]
     grouped = [n for group in gpu_proof.GROUPS.values() for n in group]
     assert sorted(grouped) == sorted(names) and len(grouped) == len(set(grouped))
+    assert gpu_proof.GROUPS["default"] == ("max-seq-cuda", "tiled-layer-cuda", "host-sync-cuda", "ddp-overhead-cuda")
+    assert names[:4] == list(gpu_proof.GROUPS["default"])
     limits = {s.name: s.timeout for s in gpu_proof.steps("/tmp")}
-    for group, members in gpu_proof.GROUPS.items():
-        assert sum(limits[n] for n in members) <= gpu_proof.GROUP_LIMIT_S <= 570, group
+    total = sum(limits[n] for n in gpu_proof.GROUPS["default"]) + gpu_proof.HARNESS_S
+    assert total <= gpu_proof.CALL_LIMIT_S <= 540
+    proc = _run(["-m", "benchmarks.gpu_proof", "--dry-run", "--steps", "default"])
+    assert proc.returncode == 0 and f"= {total} s <= 540 s" in proc.stdout, proc.stdout + proc.stderr
     for group, members in gpu_proof.GROUPS.items():
         out = tmp_path / f"{group}.json"
         proc = _run(["-m", "benchmarks.gpu_proof", "--dry-run", "--steps", group, "--out", str(out)])
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert [s["name"] for s in json.loads(out.read_text())["steps"]] == list(members)
-    chosen, unknown = gpu_proof.select(gpu_proof.steps("/tmp"), "part2,cuda-tests,nope")
-    assert [s.name for s in chosen] == ["cuda-tests", *gpu_proof.GROUPS["part2"]] and unknown == ["nope"]
+    chosen, unknown = gpu_proof.select(gpu_proof.steps("/tmp"), "rerun,max-seq-cuda,nope")
+    assert [s.name for s in chosen] == ["max-seq-cuda", *gpu_proof.GROUPS["rerun"]] and unknown == ["nope"]
 
 
 def test_gpu_proof_reads_the_new_steps_outputs():
-    """The readers of the part2 steps, on outputs shaped as the scripts write them (a GPU run cannot be had in
+    """The readers of the default group's steps, on outputs shaped as the scripts write them (a GPU run cannot be had in
     CI): the tiled layer's rows as a list or a mapping, the CUDA overhead section, the host-sync test, max_seq."""
     from benchmarks import gpu_proof
 

@@ -83,3 +83,55 @@ def test_a_lane_runs_with_a_relative_workdir(tmp_path, monkeypatch):
     result = lanes.run(lane, "relative-lanes")
     assert lanes.passed(result), result
     assert result["versions"]["torch"] and (tmp_path / "relative-lanes" / "tiny.result.json").exists()
+
+
+def test_lane_pins_come_from_the_requirement_files():
+    """One source: each CI lane's torch and libraries are its .ci/lanes/<lane>.txt, the file pip and a machine's
+    set-up read too."""
+    for name in ("main", "newest", "oldest"):
+        pinned = lanes.pins(name)
+        lane = lanes.lanes()[name]
+        assert lane.torch == pinned["torch"] and all(pinned[k] == v for k, v in lane.pins.items()), name
+    with open(os.path.join(lanes.ROOT, ".ci", "run"), encoding="utf-8") as f:
+        assert ".ci/lanes/main.txt" in f.read()
+
+
+def _bare_venv(path) -> str:
+    """A venv without its own pip (the base interpreter's pip serves it): seconds, no download."""
+    import subprocess
+
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", "--system-site-packages", str(path)], check=True)
+    return str(path)
+
+
+def test_a_lane_venv_clears_a_machine_wide_constraint(tmp_path, monkeypatch, capsys):
+    """A fresh machine caps pip machine-wide (an XDG pip.conf naming torch<=2.14.1): a lane's venv clears that one
+    key in its own pip.conf and says so in one line; where nothing is configured it writes nothing; where the cap
+    comes from a variable that outranks the venv's file, it stops and names it. NOTE [A lane's pins beat the
+    machine's cap]"""
+    cap = tmp_path / "xdg" / "pip"
+    cap.mkdir(parents=True)
+    (cap / "constraints.txt").write_text("# the machine's cap\ntorch<=2.14.1\ntorchvision<=0.29.1\n")
+    (cap / "pip.conf").write_text(f"[global]\nconstraint = {cap / 'constraints.txt'}\n")
+    monkeypatch.delenv("PIP_CONSTRAINT", raising=False)
+    monkeypatch.delenv("PIP_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_DIRS", str(tmp_path / "xdg"))
+    python = os.path.join(_bare_venv(tmp_path / "capped"), "bin", "python")
+    assert "torch<=2.14.1" in lanes._pip_constraint(python)  # the cap is seen, as on a fresh machine
+
+    overrode = lanes.clear_machine_constraint("newest", str(tmp_path / "capped"))
+    assert overrode and "torch<=2.14.1, torchvision<=0.29.1" in overrode
+    assert lanes._pip_constraint(python) == ""
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and "overrides the machine-wide pip constraint" in said
+
+    monkeypatch.setenv("XDG_CONFIG_DIRS", str(tmp_path / "nothing"))
+    assert lanes.clear_machine_constraint("newest", _bare_venv(tmp_path / "uncapped")) is None
+    assert not (tmp_path / "uncapped" / "pip.conf").exists()
+
+    monkeypatch.setenv("PIP_CONSTRAINT", str(cap / "constraints.txt"))
+    import pytest
+
+    with pytest.raises(RuntimeError, match="PIP_CONSTRAINT"):
+        lanes.clear_machine_constraint("newest", _bare_venv(tmp_path / "by-variable"))

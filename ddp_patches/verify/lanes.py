@@ -5,8 +5,9 @@
     python3 -m ddp_patches.verify.lanes run main --here                     # the current interpreter, no venv
     python3 -m ddp_patches.verify.lanes record /tmp/lanes/*.result.json    # docs/tested-versions.json + README
 
-A lane installs its torch first (alone, so pip takes the wanted build), then this project with ``-e .[test]``
-under constraints that pin every library to the lane's version, then runs ``validate_ddp_fix.py`` (patched side
+A lane's pins are its requirement file ``.ci/lanes/<lane>.txt``. It installs its torch first (alone, so pip takes
+the wanted build), then this project with ``-e .[test]`` under those pins as constraints, in a venv whose pip.conf
+overrides a machine-wide pip constraint (NOTE [A lane's pins beat the machine's cap]), then runs ``validate_ddp_fix.py`` (patched side
 only) and the core test files. Its result (versions, scenarios passed, test counts, seconds) is a JSON file;
 ``record`` keeps the results in ``docs/tested-versions.json`` and renders the README's "Tested versions" block
 from that file only (``tests/test_lanes.py`` checks both, and that pyproject's ranges are the lanes' versions).
@@ -52,16 +53,20 @@ CORE_TESTS = ("tests/test_ddp_autograd_hooks_fix.py", "tests/test_reach.py", "te
               "tests/test_offload.py", "tests/test_probes.py", "tests/test_api.py", "tests/test_reducer.py")
 
 
-def _constraints() -> dict[str, str]:
-    """The main lane's pins (.ci/constraints.txt): the newest releases when they were measured."""
-    pins = {}
-    with open(os.path.join(ROOT, ".ci", "constraints.txt"), encoding="utf-8") as f:
+PINS_DIR = os.path.join(ROOT, ".ci", "lanes")
+
+
+def pins(lane: str) -> dict[str, str]:
+    """A lane's pins, from its requirement file ``.ci/lanes/<lane>.txt`` (the one source: pip, a machine's set-up
+    and this module read the same file), as ``name -> version``."""
+    found = {}
+    with open(os.path.join(PINS_DIR, f"{lane}.txt"), encoding="utf-8") as f:
         for line in f:
             line = line.split("#", 1)[0].strip()
             if "==" in line:
                 name, version = line.split("==", 1)
-                pins[name.strip()] = version.strip()
-    return pins
+                found[name.strip()] = version.strip()
+    return found
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,6 @@ class Lane:
     left_out: dict[str, str] = field(default_factory=dict)  # scenario or test file -> why it cannot run here
 
 
-# pyproject's minimums (transformers 4.46.3: 4.46.0 is yanked). NOTE [The oldest lane]
-OLDEST_PINS = {"transformers": "4.46.3", "peft": "0.13.0", "trl": "0.12.0", "accelerate": "1.0.0",
-               "bitsandbytes": "0.45.0", "datasets": "3.0.0"}
 # What the oldest versions cannot express, by name, with the reason (NOTE [The oldest lane]).
 OLDEST_LEFT_OUT = {
     "raw-offload-stack": "offload needs torch >= 2.8 (the saved-tensor hook stack)",
@@ -108,25 +110,24 @@ OLDEST_TESTS_LEFT_OUT = {
 OLDEST_TESTS = tuple(t for t in CORE_TESTS if t not in OLDEST_TESTS_LEFT_OUT)
 
 
-# The newest releases above the main lane's pins, as measured (NOTE [Newest pinned, newest floating]).
-NEWEST_TORCH = "2.15.0"
-NEWEST_OVER_MAIN = {"transformers": "5.24.0"}
 NEWEST_TESTS = CORE_TESTS + ("tests/test_trainers.py", "tests/test_offload_composable.py",
                               "tests/test_reach_protocol.py")
 FLOATING = "floating"  # not run by CI; any versions
 
 
 def lanes() -> dict[str, Lane]:
-    main = {k: v for k, v in _constraints().items() if k != "deepspeed"}
+    # DeepSpeed is the main lane's alone: .ci/run builds it against the torch just installed.
+    main = {k: v for k, v in pins("main").items() if k != "deepspeed"}
+    newest, oldest = pins("newest"), pins("oldest")
     scenarios = ",".join(_scenarios_but(OLDEST_LEFT_OUT))
     return {
-        "main": Lane("main", "2.13.0", main, "the pinned CPU torch; .ci/run runs the full suite on it (this "
-                     "row: `lanes run main --here`)"),
-        "newest": Lane("newest", NEWEST_TORCH, {**main, **NEWEST_OVER_MAIN}, "the newest releases, pinned; CI runs it",
+        "main": Lane("main", main.pop("torch"), main, "the pinned CPU torch; .ci/run runs the full suite on it "
+                     "(this row: `lanes run main --here`)"),
+        "newest": Lane("newest", newest.pop("torch"), newest, "the newest releases, pinned; CI runs it",
                        tests=NEWEST_TESTS),
         FLOATING: Lane(FLOATING, "", {}, "whatever is newest on the day of the run (no pins), run by hand: "
                        "`python3 -m ddp_patches.verify.lanes run floating`", tests=NEWEST_TESTS),
-        "oldest": Lane("oldest", "2.4.0", OLDEST_PINS, "pyproject's minimums", scenarios=scenarios,
+        "oldest": Lane("oldest", oldest.pop("torch"), oldest, "pyproject's minimums", scenarios=scenarios,
                        tests=OLDEST_TESTS, left_out={**OLDEST_LEFT_OUT, **OLDEST_TESTS_LEFT_OUT}),
     }
 
@@ -143,8 +144,54 @@ def _sh(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, **kwargs)
 
 
+# NOTE [A lane's pins beat the machine's cap]
+# A machine may carry a machine-wide pip constraint (a pip.conf naming a constraints file, e.g. torch<=2.14.1),
+# which refuses a lane whose torch is newer (ResolutionImpossible). A lane's venv therefore gets its own pip.conf
+# with an empty ``constraint``: pip reads a venv's ("site") configuration after the global and user ones, so that
+# one key is cleared and the machine's indexes and find-links stay. The lane's pins come from its file under
+# .ci/lanes/, passed with ``-c``; one line says what was overridden. Where the override does not take (a
+# PIP_CONSTRAINT variable or a PIP_CONFIG_FILE that wins over the venv), the lane stops with the origin named.
+# Test: tests/test_lanes.py::test_a_lane_venv_clears_a_machine_wide_constraint.
+def clear_machine_constraint(lane: str, venv: str) -> str | None:
+    """Give ``venv`` a pip.conf that clears a machine-wide ``constraint`` (NOTE [A lane's pins beat the machine's
+    cap]); returns what it overrode, or None where pip had no constraint configured."""
+    python = os.path.join(venv, "bin", "python")
+    configured = _pip_constraint(python)
+    if not configured:
+        return None
+    with open(os.path.join(venv, "pip.conf"), "a", encoding="utf-8") as f:
+        f.write("[global]\nconstraint =\n")
+    left = _pip_constraint(python)
+    if left:
+        raise RuntimeError(f"lane {lane}: expected this venv's pip.conf to clear the machine's pip constraint, found "
+                           f"it still set ({left}); unset PIP_CONSTRAINT / PIP_CONFIG_FILE for the lane, or remove "
+                           "the constraint where `pip config debug` says it comes from")
+    print(f"lane {lane}: this venv's pip.conf overrides the machine-wide pip constraint ({configured}); the "
+          f"lane's own pins (.ci/lanes/{lane}.txt) apply", flush=True)
+    return configured
+
+
+def _pip_constraint(python: str) -> str:
+    """The constraint pip would apply in this interpreter ('' for none), as ``pip config list`` shows it."""
+    out = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True)
+    values = [line.split("=", 1)[1].strip().strip("'\"") for line in out.stdout.splitlines()
+              if line.split("=", 1)[0].strip().endswith(".constraint")]
+    return ", ".join(f"{v}: {_requirements_in(v)}" for v in values if v)
+
+
+def _requirements_in(path: str) -> str:
+    """The requirement lines of a constraints file, joined ('unreadable' where it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.split("#", 1)[0].strip() for line in f]
+    except OSError:
+        return "unreadable"
+    return ", ".join(line for line in lines if line) or "empty"
+
+
 def install(lane: Lane, venv: str) -> None:
     _sh([sys.executable, "-m", "venv", "--clear", venv], check=True)
+    clear_machine_constraint(lane.name, venv)
     pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     _sh(pip + [f"torch=={lane.torch}" if lane.torch else "torch"], check=True)
     pins = {"torch": lane.torch, **lane.pins} if lane.torch else lane.pins  # floating: the torch just installed
