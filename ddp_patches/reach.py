@@ -103,7 +103,7 @@ class _BackwardStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.edges.backward_started(ctx.ddp)
+        ctx.edges.backward_started(ctx.ddp, ctx)  # ctx is this node: the DDP's graph lies below it
         return (None, None, *grads)
 
 
@@ -121,6 +121,65 @@ class _FireHooks(torch.autograd.Function):
     def backward(ctx, grad):
         zeros = [torch.zeros_like(p) for p in ctx.params] if ctx.params is not None else [None] * ctx.n_params
         return (None, *zeros)
+
+
+# NOTE [Unused parameters marked where DDP marks them]
+# Collectives pair by order on a process group. DDP's find_unused_parameters=True marks the parameters its graph
+# search cannot reach ready at the first hook of the backward; a hook fired at the END of the backward instead
+# moves its bucket's all-reduce behind every other collective issued on the group during the backward (a second
+# DDP's buckets, a differentiable all-reduce, SyncBatchNorm) on the rank that lacked the gradient, and not on the
+# others: buffers of equal size mix silently, unequal ones abort. So the rule is:
+#   * At the start of the backward through the DDP's outputs (``_BackwardStart``), a parameter whose AccumulateGrad
+#     this graph task will not execute (``torch._C._will_engine_execute_node``) fires there, where DDP itself marks
+#     unused parameters, if the task executes some other parameter's (it accumulates: not ``autograd.grad`` or
+#     ``backward(inputs=x)``) and no custom autograd Function in the DDP's graph may run a nested backward that
+#     accumulates it (a reentrant checkpoint: ``walk_graph``; Functions known to run none are listed by name).
+#   * The end of the backward fires only what is left: parameters a nested backward could have reached, or whose
+#     node ran without reaching AccumulateGrad. Where that would fire a hook while another collective ran on the
+#     same group in this backward (another DDP of the group in this graph task, a collective Function in the graph),
+#     the rank raises instead, naming the fixes (a group of its own, find_unused_parameters=True, a non-reentrant
+#     Function).
+# The walk runs only in a backward with an unreachable parameter. Tests: tests/test_reach_order.py (two DDPs on one
+# group, an ensemble and a GAN step, equal and unequal buckets; an all-reduce inside the model) and
+# tests/test_reach.py (reentrant regions the forward cannot see keep the end-of-backward path).
+_NO_NESTED_BACKWARD = frozenset({
+    "torch.nn.parallel.distributed._DDPSink", "torch.utils.hooks.BackwardHookFunction",
+    "torch.nn.modules._functions.SyncBatchNorm", "torch.nn.modules._functions.CrossMapLRN2d",
+    "bitsandbytes.autograd._functions.MatMul4Bit", "bitsandbytes.autograd._functions.MatMul8bitLt",
+    "bitsandbytes.autograd._functions.MatMul8bitFp",
+    "ddp_patches.reach._BackwardStart", "ddp_patches.reach._FireHooks",
+    "ddp_patches.tiled_mlp.SaveMLPInput", "ddp_patches.tiled_mlp.TiledMLPFunction",
+})
+# Functions whose backward issues a collective on a process group (they run no nested backward either).
+_COLLECTIVES = frozenset({f"torch.distributed.nn.functional.{name}" for name in (
+    "_AllGather", "_AllGatherBase", "_AllReduce", "_AlltoAll", "_AlltoAllSingle", "_Broadcast", "_Gather", "_Reduce",
+    "_Reduce_Scatter", "_Scatter")} | {"torch.nn.modules._functions.SyncBatchNorm"})
+
+
+@dataclasses.dataclass
+class GraphFacts:
+    may_nest: str | None  # the first custom Function that may run a nested backward, by name
+    collectives: list[str]  # custom Functions whose backward issues a collective
+
+
+def walk_graph(node: Any) -> GraphFacts:
+    """The custom autograd Functions below ``node`` (down to the leaves): which may nest, which communicate."""
+    may_nest, collectives = None, []
+    seen, stack = {id(node)}, [fn for fn, _ in node.next_functions if fn is not None]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        cls = getattr(fn, "_forward_cls", None)
+        if cls is not None:
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            if name in _COLLECTIVES:
+                collectives.append(name)
+            elif name not in _NO_NESTED_BACKWARD and may_nest is None:
+                may_nest = name
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return GraphFacts(may_nest, collectives)
 
 
 # NOTE [Firing many hooks at once]
@@ -187,13 +246,16 @@ class UnusedParameterEdges:
         self._retired = False
         self.attached_last = 0  # parameters fired by the last settle (tests, the doctor)
         self._settling_task = -1  # the graph task whose end settles (one settle per backward)
+        self._early: list[int] = []  # fired at the start of this backward (NOTE [Unused parameters marked ...])
+        self._early_no_grad: list[int] = []  # of those, the ones without a gradient before they fired
+        self._graph: GraphFacts | None = None  # what the walk at the start of this backward found
 
     def __getstate__(self) -> dict:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
         # the parameter list and watches its own nodes again at its first forward.
         state = dict(self.__dict__)
         state.update(_fired=set(), _node_hooks=[], _nodes=[], _active=False, _armed=None, _settling_task=-1,
-                     _pending_reset=None, _finalized_in_backward=False)
+                     _pending_reset=None, _finalized_in_backward=False, _early=[], _early_no_grad=[], _graph=None)
         return state
 
     def install(self, ddp: nn.Module) -> None:
@@ -237,8 +299,8 @@ class UnusedParameterEdges:
         self._active = False
         return map_tensors(output, _is_graph_output, lambda ts: _BackwardStart.apply(self, ddp, *ts))
 
-    def backward_started(self, ddp: nn.Module) -> None:
-        """A backward through the outputs began (``_BackwardStart``)."""
+    def backward_started(self, ddp: nn.Module, node: Any = None) -> None:
+        """A backward through the outputs began (``_BackwardStart``; ``node`` is that node)."""
         # Two forwards of one DDP feeding one loss (a GAN's discriminator on real and fake data, a multi-task loss)
         # start this twice in one graph task: settle once, or the second settle sees an empty record and fires
         # every hook again ("marked as ready twice").
@@ -247,6 +309,22 @@ class UnusedParameterEdges:
         if _in_autograd_grad(self._nodes):
             return  # NOTE [Only a backward that accumulates]
         self._queue_settle(ddp)
+        if node is not None and _reducer_prepared(ddp):
+            self._fire_unreachable(ddp, node)
+
+    def _fire_unreachable(self, ddp: nn.Module, node: Any) -> None:
+        """NOTE [Unused parameters marked where DDP marks them]: at the start of the backward, the parameters
+        this graph task cannot reach fire now, unless a Function below may reach them in a nested backward."""
+        runs = [torch._C._will_engine_execute_node(n) for n in self._nodes]
+        unreachable = [i for i, will_run in enumerate(runs) if not will_run and i not in self._fired]
+        if not unreachable or not any(runs):
+            return  # all reached; or none: autograd.grad / backward(inputs=x) (NOTE [Only a backward that accumulates])
+        self._graph = walk_graph(node)
+        if self._graph.may_nest:
+            return  # decided at the end, as a nested backward may still accumulate them
+        self._early_no_grad = [i for i in unreachable if self._params[i].grad is None]
+        self._early = unreachable
+        self._fire(ddp, unreachable)
 
     def parameter_accumulated(self, index: int) -> None:
         """A post-hook of parameter ``index``'s AccumulateGrad ran: the reducer saw its hook in this backward.
@@ -271,24 +349,53 @@ class UnusedParameterEdges:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(ddp))
 
     def _settle(self, ddp: nn.Module) -> None:
-        fired = set(self._fired)
+        fired, early, early_no_grad, graph = set(self._fired), self._early, self._early_no_grad, self._graph
         self._fired.clear()
+        self._early, self._early_no_grad, self._graph = [], [], None
         if not self._params or not _reducer_prepared(ddp):
             return  # a forward under no_sync prepared no reduction: the reducer ignores hooks, nothing to fire
-        if not fired:  # NOTE [Only a backward that accumulates]: no reduction yet; the forward's is still to come
+        if not fired and not early:  # NOTE [Only a backward that accumulates]: the forward's reduction is to come
             self._armed = weakref.ref(ddp)
             return
-        missing = [i for i in range(len(self._params)) if i not in fired]
-        self.attached_last = len(missing)
-        no_grad = [i for i in missing if self._params[i].grad is None]
-        if missing:
+        fired.update(early)
+        late = [i for i in range(len(self._params)) if i not in fired]
+        self.attached_last = len(late) + len(early)
+        no_grad = early_no_grad + [i for i in late if self._params[i].grad is None]
+        if early or late:
+            first = (early or late)[0]
             log_rank0_once("unused-edges", logging.INFO,
                            "ddp_patches: %d trainable parameter(s) got no gradient in this backward (e.g. %s); each "
                            "fires its DDP hook once with no gradient (NOTE [Unused parameters without "
-                           "find_unused_parameters] in ddp_patches/reach.py)", len(missing), self._names[missing[0]])
-            self._fire(ddp, missing)
+                           "find_unused_parameters] in ddp_patches/reach.py)", len(early) + len(late),
+                           self._names[first])
+        if late:
+            self._refuse_a_late_fire_among_collectives(ddp, late, graph)
+            self._fire(ddp, late)
         # Behind the reducer's finalize (queued by now, or already run in the nested backward above).
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._reset_unused_everywhere(ddp, no_grad))
+
+    def _refuse_a_late_fire_among_collectives(self, ddp: nn.Module, late: list[int], graph: GraphFacts | None) -> None:
+        """NOTE [Unused parameters marked where DDP marks them]: a hook fired at the end of the backward moves its
+        bucket's all-reduce behind any other collective of this backward on the same group; where there is one,
+        fail loudly instead of pairing buffers wrongly."""
+        group = getattr(ddp, "process_group", None)
+        task = torch._C._current_graph_task_id()
+        others = [e for d, e in list(_instances.items()) if e is not self and e._settling_task == task
+                  and getattr(d, "process_group", None) is group]
+        collectives = graph.collectives if graph is not None else []
+        if not others and not collectives:
+            return
+        why = (f"another DistributedDataParallel on the same process group runs in this backward" if others else
+               f"{collectives[0]} issues a collective in this backward")
+        raise RuntimeError(
+            f"ddp_patches: {len(late)} trainable parameter(s) of this DistributedDataParallel (e.g. "
+            f"'{self._names[late[0]]}') got no gradient, and the graph has a custom autograd Function "
+            f"({graph.may_nest if graph is not None else 'not walked'}) that could reach them in a nested backward, "
+            f"so their DDP hooks can only fire at the end of the backward; {why}, and a bucket all-reduced at the end "
+            "on this rank but earlier on another would pair with the wrong collective (wrong gradients or a "
+            "collective mismatch). Give this DDP its own group (process_group=torch.distributed.new_group(...)), or "
+            "pass find_unused_parameters=True, or make the Function non-reentrant (NOTE [Unused parameters marked "
+            "where DDP marks them] in ddp_patches/reach.py).")
 
     def _reset_unused_everywhere(self, ddp: nn.Module, no_grad: list[int]) -> None:
         """NOTE [Unused everywhere ends with grad None]; read back only where this rank had a parameter without

@@ -17,7 +17,7 @@ def test_outputs_are_aliases_and_a_fired_hook_leaves_grad_alone():
     node.register_hook(lambda grad_in, grad_out: fired.append(grad_in))
 
     class Settles:
-        def backward_started(self, ddp):
+        def backward_started(self, ddp, node=None):
             with torch.enable_grad():
                 out = _FireHooks.apply(False, unused)
             torch.autograd.backward(out, torch.zeros_like(out))
