@@ -108,6 +108,7 @@ class _Tracked:
     key_prefix: str = ""  # where its fingerprints go in the rendezvous store
     group_ranks: tuple[int, ...] = ()
     hook_keeps_equal: bool | None = None  # None until a comm hook is seen (NOTE [Replica check only where ...])
+    averaged_elsewhere: bool = False  # its gradients were found equal across ranks (NOTE [Confirmed before ...])
 
 
 _counter = itertools.count()  # never reset: one index per tracked DDP for the life of the process
@@ -287,14 +288,63 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
             tracked.baseline[pid] = tracked.synced_forwards
             if not synced_since and not tracked.stepped_aside and tracked.index not in unsynced:
                 unsynced[tracked.index] = (tracked, tracked.names[pid])
-    for tracked, name in unsynced.values():
-        _report_unsynced(tracked, name)
     every = _settings.replica_check_every
+    for tracked, name in unsynced.values():
+        if tracked.warned:
+            continue  # said once per DDP and process already (a run that does this does it every step)
+        step = tracked.steps + 1
+        due = not tracked.averaged_elsewhere or step <= 2 or step % (every or DEFAULT_REPLICA_CHECK_EVERY) == 0
+        if due and _gradients_differ(tracked, optimizer):
+            _report_unsynced(tracked, name)
     for tracked in touched.values():
         tracked.steps += 1
-        due = tracked.steps <= 2 or tracked.steps % every == 0 if every else False
+        due = _replica_check_due(tracked.steps, every)
         if due and not tracked.no_store and _replicas_promised_equal(tracked):
             check_replicas(tracked)
+
+
+def _replica_check_due(step: int, every: int) -> bool:
+    return (step <= 2 or step % every == 0) if every else False
+
+
+# NOTE [Confirmed before it speaks]
+# The forward count says only that DDP did not average a backward; gradients averaged another way are correct:
+# micro-steps under ``no_sync()`` (or through ``.module``) followed by ``dist.all_reduce(p.grad); p.grad /= world``
+# by hand. So a step the count calls unsynchronised is reported only if the gradients really differ across ranks:
+# each rank of the DDP's group writes a fingerprint of the gradients this optimizer is about to apply for that DDP
+# (per parameter, float64 sum and L2 norm, in the optimizer's order) to the rendezvous store, then reads one
+# partner's (rank 0 reads its group's second rank, every other rank reads rank 0), and compares bit for bit, as the
+# replica check compares parameters (NOTE [Replica check without a collective]: no collective, a bounded wait; a
+# partner that does not come is a skipped check, logged, never a verdict). Equal: silent, and the DDP is marked
+# averaged elsewhere, after which the confirmation runs only at steps 1 and 2 and then every ``replica_check_every``-th
+# (100 where that is 0), so a hand-averaged loop pays it rarely. Different: the report as before, at step 1
+# for a forward through ``.module`` or a whole loop under ``no_sync()``, on every rank whose gradients differ from
+# its partner's. Tests: tests/test_guard.py::test_hand_averaged_gradients_are_silent and the catches above it.
+def _gradients_differ(tracked: _Tracked, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this rank's gradients for ``tracked``'s parameters differ from its partner's (NOTE [Confirmed
+    before it speaks]); False where they are equal or the comparison could not be made."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+             if _owner.get(id(p)) is tracked and p.grad is not None]
+    ranks, me = tracked.group_ranks, dist.get_rank()
+    if len(ranks) < 2:
+        return True
+    mine = fingerprint(grads)
+    key = f"{tracked.key_prefix}/grads/{tracked.steps + 1}"
+    partner = ranks[1] if me == ranks[0] else ranks[0]
+    try:
+        store = _store()
+        store.set(f"{key}/{me}", mine.numpy().tobytes())
+        store.wait([f"{key}/{partner}"], datetime.timedelta(seconds=REPLICA_CHECK_TIMEOUT_S))
+        theirs = bytes(store.get(f"{key}/{partner}"))
+    except (RuntimeError, AttributeError, ValueError) as exc:
+        logger.warning("ddp_patches: rank %d: %s: could not compare gradients with rank %d before optimizer step "
+                       "%d (%s); the unsynchronised-gradient check is skipped for this step", me, tracked.label,
+                       partner, tracked.steps + 1, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return False
+    if theirs == bytes(mine.numpy().tobytes()):
+        tracked.averaged_elsewhere = True
+        return False
+    return True
 
 
 # NOTE [Replica check only where DDP promises equal replicas]

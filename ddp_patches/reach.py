@@ -233,6 +233,8 @@ class UnusedParameterEdges:
                 self._names.append(name)
                 self._params.append(p)
         self._fired: set[int] = set()  # indices of parameters whose AccumulateGrad ran since the last settle
+        self._fired_empty: set[int] = set()  # of those, the ones whose node ran with no gradient and had none
+        self._index = {id(p): i for i, p in enumerate(self._params)}
         self._node_hooks: list[Any] = []
         # The parameters' AccumulateGrad nodes, the ones DDP's reducer took and hooked a moment ago: taken now,
         # while every listed parameter is trainable (a first forward under PEFT's disable_adapter() has them frozen,
@@ -254,7 +256,8 @@ class UnusedParameterEdges:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
         # the parameter list and watches its own nodes again at its first forward.
         state = dict(self.__dict__)
-        state.update(_fired=set(), _node_hooks=[], _nodes=[], _active=False, _armed=None, _settling_task=-1,
+        state.update(_fired=set(), _fired_empty=set(), _node_hooks=[], _nodes=[], _active=False,
+                     _armed=None, _settling_task=-1,
                      _pending_reset=None, _finalized_in_backward=False, _early=[], _early_no_grad=[], _graph=None)
         return state
 
@@ -279,6 +282,12 @@ class UnusedParameterEdges:
             self._node_hooks.append(handle)
             REGISTRY.add_instance_handle(handle)
 
+    def reached_empty(self, index: int) -> None:
+        """Parameter ``index``'s node runs with no gradient (a Function returned None for it): counted as a
+        parameter without a gradient here where it had none before (NOTE [Unused everywhere ends with grad None])."""
+        if self._params[index].grad is None:
+            self._fired_empty.add(index)
+
     def _begin(self, ddp, args) -> None:
         if self._retired:
             log_rank0_once("retired-edges", logging.WARNING,
@@ -291,6 +300,7 @@ class UnusedParameterEdges:
             if not self._node_hooks:
                 self._watch_nodes()
             self._fired.clear()
+            self._fired_empty.clear()
             self._armed = weakref.ref(ddp)  # DDP prepares its reducer in this forward: one settle will follow
 
     def _attach(self, ddp, args, output):
@@ -316,7 +326,10 @@ class UnusedParameterEdges:
         """NOTE [Unused parameters marked where DDP marks them]: at the start of the backward, the parameters
         this graph task cannot reach fire now, unless a Function below may reach them in a nested backward."""
         runs = [torch._C._will_engine_execute_node(n) for n in self._nodes]
-        unreachable = [i for i, will_run in enumerate(runs) if not will_run and i not in self._fired]
+        # A parameter frozen since the DDP was built has no edge to fire: ddp_patches/reducer.py names it instead
+        # (NOTE [A frozen parameter is judged at the backward]).
+        unreachable = [i for i, will_run in enumerate(runs)
+                       if not will_run and i not in self._fired and self._params[i].requires_grad]
         if not unreachable or not any(runs):
             return  # all reached; or none: autograd.grad / backward(inputs=x) (NOTE [Only a backward that accumulates])
         self._graph = walk_graph(node)
@@ -326,11 +339,13 @@ class UnusedParameterEdges:
         self._early = unreachable
         self._fire(ddp, unreachable)
 
-    def parameter_accumulated(self, index: int) -> None:
-        """A post-hook of parameter ``index``'s AccumulateGrad ran: the reducer saw its hook in this backward.
-        The first one of a backward that did not pass the outputs settles it (NOTE [One collective per
-        reduction, on every rank])."""
+    def parameter_accumulated(self, index: int, empty: bool = False) -> None:
+        """A post-hook of parameter ``index``'s AccumulateGrad ran (``empty``: with no gradient, as after a
+        Function that returned None for it): the reducer saw its hook in this backward. The first one of a
+        backward that did not pass the outputs settles it (NOTE [One collective per reduction, on every rank])."""
         self._fired.add(index)
+        if empty:
+            self.reached_empty(index)
         if self._armed is not None:
             ddp = self._armed()
             if ddp is not None:
@@ -350,7 +365,9 @@ class UnusedParameterEdges:
 
     def _settle(self, ddp: nn.Module) -> None:
         fired, early, early_no_grad, graph = set(self._fired), self._early, self._early_no_grad, self._graph
+        empty = sorted(self._fired_empty)
         self._fired.clear()
+        self._fired_empty.clear()
         self._early, self._early_no_grad, self._graph = [], [], None
         if not self._params or not _reducer_prepared(ddp):
             return  # a forward under no_sync prepared no reduction: the reducer ignores hooks, nothing to fire
@@ -360,7 +377,7 @@ class UnusedParameterEdges:
         fired.update(early)
         late = [i for i in range(len(self._params)) if i not in fired]
         self.attached_last = len(late) + len(early)
-        no_grad = early_no_grad + [i for i in late if self._params[i].grad is None]
+        no_grad = early_no_grad + empty + [i for i in late if self._params[i].grad is None]
         if early or late:
             first = (early or late)[0]
             log_rank0_once("unused-edges", logging.INFO,
@@ -488,7 +505,7 @@ class _Recorder:
 
     def __call__(self, grad_inputs, grad_outputs) -> None:
         try:
-            self.edges.parameter_accumulated(self.index)
+            self.edges.parameter_accumulated(self.index, grad_outputs[0] is None)
         except ReferenceError:  # edges gone with their DDP; the hook is removed with them soon
             pass
 
@@ -608,6 +625,18 @@ def install(ddp: nn.Module) -> UnusedParameterEdges:
     _instances[ddp] = edges
     _by_module[ddp.module] = edges
     return edges
+
+
+def needs_defined_zero(param: torch.Tensor) -> bool:
+    """Whether a Function with no gradient for ``param`` must still give it a defined zero: a DDP with
+    static_graph trains it (NOTE [Static graph needs a defined zero]); ``param`` then counts as having no gradient
+    on this rank (NOTE [Unused everywhere ends with grad None]). The tiled MLP asks, for a parameter no shard used."""
+    for ddp, edges in list(_instances.items()):
+        index = edges._index.get(id(param))
+        if index is not None and not edges._retired and getattr(ddp, "static_graph", False):
+            edges.reached_empty(index)
+            return True
+    return False
 
 
 def for_ddp(ddp: nn.Module) -> UnusedParameterEdges | None:

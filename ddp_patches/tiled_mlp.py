@@ -60,7 +60,7 @@ from typing import Callable
 
 import torch
 
-from . import engines
+from . import engines, reach
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -181,13 +181,15 @@ class TiledMLPFunction(torch.autograd.Function):
                 if g is not None:
                     grads[i] = g if grads[i] is None else grads[i].add_(g)
             start += shard.shape[0]
-        return (None, None, None, None, dx, *_fill_unused(ctx, grads, wanted))
+        return (None, None, None, None, dx, *_unused_as_untiled(ctx, grads, wanted))
 
 
-def _fill_unused(ctx, grads: list, wanted: list[int]) -> list:
-    """A wanted parameter no shard used still gets a gradient: zeros, as the untiled graph's."""
+def _unused_as_untiled(ctx, grads: list, wanted: list[int]) -> list:
+    """A parameter no shard used gets None, as untiled (its AccumulateGrad runs with no gradient and leaves .grad
+    alone; the DDP rescue counts it as without a gradient: NOTE [Unused everywhere ends with grad None]), or a
+    defined zero where a static-graph DDP needs one (NOTE [Static graph needs a defined zero])."""
     for i in wanted:
-        if grads[i] is None:
+        if grads[i] is None and reach.needs_defined_zero(ctx.params[i]):
             grads[i] = torch.zeros_like(ctx.params[i])
     return grads
 
@@ -223,7 +225,7 @@ def _differentiable_grads(ctx, x2d: torch.Tensor, grad_out: torch.Tensor, want_x
         for i, g in zip(wanted, got):
             if g is not None:
                 grads[i] = g if grads[i] is None else grads[i] + g
-    return [torch.cat(dx_parts) if want_x else None, *_fill_unused(ctx, grads, wanted)]
+    return [torch.cat(dx_parts) if want_x else None, *_unused_as_untiled(ctx, grads, wanted)]
 
 
 def apply_tiled(forward_fn: Callable, rows: list[int], x2d: torch.Tensor,
@@ -290,7 +292,7 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
         rows = x.numel() // hidden if hidden else 0
         params = tuple(p for p in self.parameters() if p.requires_grad)
         if not (params or x.requires_grad) or not _long_enough(rows, hidden) \
-                or _verdict(self, x, original_forward) is not None:
+                or _hooked(self, params) or _verdict(self, x, original_forward) is not None:
             return original_forward(self, x)
         sizes = _plan(self, x, rows, hidden)
         if len(sizes) == 1:
@@ -301,6 +303,49 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
         return out.view(*x.shape[:-1], out.shape[-1])
 
     return forward
+
+
+# NOTE [Hooks inside a tiled MLP]
+# A tiled MLP runs its submodules once per shard in forward (under no_grad) and again per shard in backward, and
+# takes parameter gradients with ``autograd.grad`` per shard. What a hook does is therefore not what it does
+# untiled: a forward or forward-pre hook on a submodule (or a global one) fires twice per shard and its outputs have
+# no history (an activation penalty collected by a hook on ``act_fn`` was 0.94 wrong; a steering vector added by a
+# hook on ``down_proj`` got no gradient); a tensor hook on a parameter runs once per shard and again on the sum
+# (``w.register_hook(lambda g: g * 0.5)``: 0.50 wrong). So a call runs untiled, with one WARNING line on rank 0
+# naming the hook, whenever a submodule has forward, forward-pre or backward hooks, a global module hook is set, or
+# a trainable parameter of the MLP has a tensor hook (read per call: a few dict lookups per submodule). Hooks on
+# the MLP itself fire once around the whole call, tiled or not, and are kept. A trainable tensor that reaches the
+# output from outside the MLP's own parameters (a tensor attribute, another module's parameter) is found by the
+# per-class probe and leaves the class untiled. Tests: tests/test_tiled_mlp_hooks.py.
+OUTSIDE = "a trainable tensor from outside its parameters"
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def _hooked(module: torch.nn.Module, params: tuple) -> bool:
+    """Whether a hook would see this call differently tiled (NOTE [Hooks inside a tiled MLP]); logs why."""
+    why = _hook_problem(module, params)
+    if why is not None:
+        log_rank0_once(f"tiled-hook-{type(module).__qualname__}-{why}", logging.WARNING,
+                       "ddp_patches: tiled MLP: %s runs untiled: %s (hooks there would fire once per shard; NOTE "
+                       "[Hooks inside a tiled MLP] in ddp_patches/tiled_mlp.py)", type(module).__qualname__, why)
+    return why is not None
+
+
+def _hook_problem(module: torch.nn.Module, params: tuple) -> str | None:
+    from torch.nn.modules import module as module_mod
+
+    for name in _GLOBAL_HOOKS:
+        if getattr(module_mod, name, None):
+            return f"a global module hook is set (torch.nn.modules.module.{name})"
+    for name, sub in module.named_modules():
+        if sub is not module and (sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks
+                                  or sub._backward_pre_hooks):
+            return f"its submodule '{name}' has a forward or backward hook"
+    for p in params:
+        if p._backward_hooks:
+            return "a trainable parameter has a tensor hook (register_hook)"
+    return None
 
 
 # NOTE [Tiling by bytes]
@@ -361,8 +406,9 @@ def _verdict(module: torch.nn.Module, x: torch.Tensor, original_forward: Callabl
             log_rank0_once("tiled-class-" + cls.__qualname__, logging.INFO,
                            "ddp_patches: tiled MLP: %s.%s tiles (gate/up/down, token-wise [..., %d] -> [..., %d])",
                            cls.__module__, cls.__qualname__, x.shape[-1], x.shape[-1])
-        else:
-            log_rank0_once("tiled-class-" + cls.__qualname__, logging.INFO,
+        else:  # a WARNING where tiling was possible and is declined for exactness (NOTE [Hooks inside ...])
+            log_rank0_once("tiled-class-" + cls.__qualname__,
+                           logging.WARNING if reason.startswith(OUTSIDE) else logging.INFO,
                            "ddp_patches: tiled MLP: %s.%s is MLP-like but runs untiled: %s",
                            cls.__module__, cls.__qualname__, reason)
     return _verdicts[cls]
@@ -390,6 +436,33 @@ def _probe(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable)
     tol = 1e-4 if whole.dtype in (torch.float32, torch.float64) else 2e-2
     if not torch.allclose(whole, parts, rtol=tol, atol=tol * float(whole.abs().max())):
         return "its output for a token depends on the other tokens of the call (rows run in two parts differ)"
+    return _outside_tensor(module, rows, original_forward)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _outside_tensor(module: torch.nn.Module, rows: torch.Tensor, original_forward: Callable) -> str | None:
+    """A trainable tensor other than the MLP's own parameters that its output depends on (the tiled backward
+    would not differentiate it: NOTE [Hooks inside a tiled MLP]); one small forward with grad, on 2 rows."""
+    own = {id(p) for p in module.parameters()}
+    devices = [rows.device] if rows.device.type == "cuda" else []
+    # Its own identity saved-tensor hooks: inside a checkpointed forward, the checkpoint's (or offload's) hooks must
+    # not count what this probe saves (the recompute runs no probe).
+    with torch.enable_grad(), dropout_off(module), torch.random.fork_rng(devices=devices, device_type="cuda"), \
+            torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        out = original_forward(module, rows[:2])
+    seen, stack = set(), [out.grad_fn] if out.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) not in own:
+            return f"{OUTSIDE} (shape {list(leaf.shape)}) reaches its output"
+        stack.extend(fn for fn, _ in node.next_functions)
     return None
 
 

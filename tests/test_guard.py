@@ -760,3 +760,47 @@ def elastic_attempts_case() -> dict:
 def test_an_elastic_restart_does_not_read_the_previous_attempts_fingerprints(pool):
     for r in pool.run(elastic_attempts_case):
         assert r["in_sync"] and r["errors"] == [], r
+
+
+def hand_averaged(on_unsynced: str, steps: int = 3, drop_average_at: int | None = None) -> dict:
+    """Micro-steps under ``no_sync()``, then the gradients averaged by hand (``dist.all_reduce(p.grad)``, divided by
+    the world size) before each step: correct, so the guard stays silent (NOTE [Confirmed before it speaks]); from
+    step ``drop_average_at`` on the averaging is left out, and the guard must speak then."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = None
+    with ddp_patches.patched(on_unsynced=on_unsynced, replica_check_every=0), _Capture() as cap:
+        torch.manual_seed(0)
+        ddp = _ddp(_mlp())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        try:
+            for it in range(steps):
+                cap.step = it + 1
+                with ddp.no_sync():
+                    for micro in range(2):
+                        (ddp(_batch(rank, it, micro)).pow(2).mean() / 2).backward()
+                if drop_average_at is None or it + 1 < drop_average_at:
+                    for p in ddp.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+                opt.step()
+                opt.zero_grad()
+        except guard.UnsynchronizedGradientsError as exc:
+            error = str(exc)
+        in_sync = _in_sync(ddp.module)
+    return {"unsynced": cap.lines(UNSYNCED), "all": cap.records, "error": error, "in_sync": in_sync}
+
+
+@pytest.mark.parametrize("on_unsynced", ["warn", "raise"])
+def test_hand_averaged_gradients_are_silent(pool, on_unsynced):
+    """Used to give the "never averaged" WARNING on every rank (and to crash a correct run under "raise") while
+    the replicas were equal."""
+    for r in pool.run(hand_averaged, on_unsynced=on_unsynced):
+        assert r["error"] is None and r["unsynced"] == [] and r["in_sync"], r["all"]
+
+
+def test_hand_averaging_left_out_later_is_reported(pool):
+    for rank, r in enumerate(pool.run(hand_averaged, on_unsynced="warn", steps=4, drop_average_at=2)):
+        assert [s for s, _, _ in r["unsynced"]] == [2] and f"rank {rank}:" in r["unsynced"][0][2], r["all"]
+        assert not r["in_sync"]

@@ -159,11 +159,17 @@ def _count_rows(model) -> list[int]:
     """A one-element counter of the rows through every gated MLP's gate_proj (forward, recompute, replay)."""
     rows = [0]
 
-    def hook(module, args, _out):
-        rows[0] += args[0].numel() // args[0].shape[-1]
+    # A wrapped forward, not a forward hook: a hook inside a gated MLP makes it run untiled (NOTE [Hooks inside a
+    # tiled MLP]), which is what this counter must not change.
+    def counted(forward):
+        def forward_and_count(x, *args, **kwargs):
+            rows[0] += x.numel() // x.shape[-1]
+            return forward(x, *args, **kwargs)
+
+        return forward_and_count
 
     for mlp in _mlps(model):
-        mlp.gate_proj.register_forward_hook(hook)
+        mlp.gate_proj.forward = counted(mlp.gate_proj.forward)
     return rows
 
 
