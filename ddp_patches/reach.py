@@ -135,11 +135,13 @@ class _FireHooks(torch.autograd.Function):
 #     ``backward(inputs=x)``) and no custom autograd Function in the DDP's graph may run a nested backward that
 #     accumulates it (a reentrant checkpoint: ``walk_graph``; Functions known to run none are listed by name).
 #   * The end of the backward fires only what is left: parameters a nested backward could have reached, or whose
-#     node ran without reaching AccumulateGrad. Where that would fire a hook while another collective ran on the
-#     same group in this backward (another DDP of the group in this graph task, a collective Function in the graph),
-#     the rank raises instead, naming the fixes (a group of its own, find_unused_parameters=True, a non-reentrant
-#     Function).
-# The walk runs only in a backward with an unreachable parameter. Tests: tests/test_reach_order.py (two DDPs on one
+#     node ran without reaching AccumulateGrad. A parameter fired there on every rank is in the same place
+#     everywhere. The count-all-reduce's second half counts the ranks that fired each parameter late; where one
+#     was late here but not everywhere, while another collective ran on the group in this backward (another DDP
+#     of the group in this graph task, a collective Function in the graph), the rank raises before any optimizer
+#     step, naming the fixes (a group of its own, find_unused_parameters=True, a non-reentrant Function).
+# The walk starts from every forward's start node since the last settle (two forwards of one DDP in one loss)
+# and runs only in a backward with an unreachable parameter. Tests: tests/test_reach_order.py (two DDPs on one
 # group, an ensemble and a GAN step, equal and unequal buckets; an all-reduce inside the model) and
 # tests/test_reach.py (reentrant regions the forward cannot see keep the end-of-backward path).
 _NO_NESTED_BACKWARD = frozenset({
@@ -162,10 +164,11 @@ class GraphFacts:
     collectives: list[str]  # custom Functions whose backward issues a collective
 
 
-def walk_graph(node: Any) -> GraphFacts:
-    """The custom autograd Functions below ``node`` (down to the leaves): which may nest, which communicate."""
+def walk_graph(nodes: list) -> GraphFacts:
+    """The custom autograd Functions below ``nodes`` (down to the leaves): which may nest, which communicate."""
     may_nest, collectives = None, []
-    seen, stack = {id(node)}, [fn for fn, _ in node.next_functions if fn is not None]
+    seen = {id(node) for node in nodes}
+    stack = [fn for node in nodes for fn, _ in node.next_functions if fn is not None]
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
@@ -251,6 +254,8 @@ class UnusedParameterEdges:
         self._early: list[int] = []  # fired at the start of this backward (NOTE [Unused parameters marked ...])
         self._early_no_grad: list[int] = []  # of those, the ones without a gradient before they fired
         self._graph: GraphFacts | None = None  # what the walk at the start of this backward found
+        self._starts: list[weakref.ref] = []  # the _BackwardStart nodes of the forwards since the last settle
+        self._culprit: str | None = None  # the custom Function that kept the last late fire for the end
 
     def __getstate__(self) -> dict:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
@@ -258,7 +263,8 @@ class UnusedParameterEdges:
         state = dict(self.__dict__)
         state.update(_fired=set(), _fired_empty=set(), _node_hooks=[], _nodes=[], _active=False,
                      _armed=None, _settling_task=-1,
-                     _pending_reset=None, _finalized_in_backward=False, _early=[], _early_no_grad=[], _graph=None)
+                     _pending_reset=None, _finalized_in_backward=False, _early=[], _early_no_grad=[], _graph=None,
+                     _starts=[])
         return state
 
     def install(self, ddp: nn.Module) -> None:
@@ -307,7 +313,13 @@ class UnusedParameterEdges:
         if not self._active:
             return None
         self._active = False
-        return map_tensors(output, _is_graph_output, lambda ts: _BackwardStart.apply(self, ddp, *ts))
+        return map_tensors(output, _is_graph_output, lambda ts: self._start_node(_BackwardStart.apply(self, ddp, *ts)))
+
+    def _start_node(self, outputs: tuple) -> tuple:
+        # Every forward's start node until the settle (weakly: a discarded output frees its graph): the walk must
+        # see below all of them, a second forward of this DDP in the same loss included.
+        self._starts.append(weakref.ref(outputs[0].grad_fn))
+        return outputs
 
     def backward_started(self, ddp: nn.Module, node: Any = None) -> None:
         """A backward through the outputs began (``_BackwardStart``; ``node`` is that node)."""
@@ -332,7 +344,8 @@ class UnusedParameterEdges:
                        if not will_run and i not in self._fired and self._params[i].requires_grad]
         if not unreachable or not any(runs):
             return  # all reached; or none: autograd.grad / backward(inputs=x) (NOTE [Only a backward that accumulates])
-        self._graph = walk_graph(node)
+        starts = [n for n in (ref() for ref in self._starts) if n is not None]
+        self._graph = walk_graph(starts or [node])
         if self._graph.may_nest:
             return  # decided at the end, as a nested backward may still accumulate them
         self._early_no_grad = [i for i in unreachable if self._params[i].grad is None]
@@ -369,6 +382,7 @@ class UnusedParameterEdges:
         self._fired.clear()
         self._fired_empty.clear()
         self._early, self._early_no_grad, self._graph = [], [], None
+        self._starts = []
         if not self._params or not _reducer_prepared(ddp):
             return  # a forward under no_sync prepared no reduction: the reducer ignores hooks, nothing to fire
         if not fired and not early:  # NOTE [Only a backward that accumulates]: the forward's reduction is to come
@@ -385,47 +399,63 @@ class UnusedParameterEdges:
                            "fires its DDP hook once with no gradient (NOTE [Unused parameters without "
                            "find_unused_parameters] in ddp_patches/reach.py)", len(early) + len(late),
                            self._names[first])
+        context = self._other_collectives(ddp, graph) if late else None
+        self._culprit = graph.may_nest if graph is not None else "not walked"
         if late:
-            self._refuse_a_late_fire_among_collectives(ddp, late, graph)
             self._fire(ddp, late)
         # Behind the reducer's finalize (queued by now, or already run in the nested backward above).
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._reset_unused_everywhere(ddp, no_grad))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: self._reset_unused_everywhere(ddp, no_grad, late, context))
 
-    def _refuse_a_late_fire_among_collectives(self, ddp: nn.Module, late: list[int], graph: GraphFacts | None) -> None:
-        """NOTE [Unused parameters marked where DDP marks them]: a hook fired at the end of the backward moves its
-        bucket's all-reduce behind any other collective of this backward on the same group; where there is one,
-        fail loudly instead of pairing buffers wrongly."""
-        group = getattr(ddp, "process_group", None)
-        task = torch._C._current_graph_task_id()
-        others = [e for d, e in list(_instances.items()) if e is not self and e._settling_task == task
-                  and getattr(d, "process_group", None) is group]
-        collectives = graph.collectives if graph is not None else []
-        if not others and not collectives:
-            return
-        why = (f"another DistributedDataParallel on the same process group runs in this backward" if others else
-               f"{collectives[0]} issues a collective in this backward")
+    def _other_collectives(self, ddp: nn.Module, graph: GraphFacts | None) -> str | None:
+        """What else issues a collective on this DDP's group in this backward, as far as this rank can see."""
+        group, task = getattr(ddp, "process_group", None), torch._C._current_graph_task_id()
+        if any(e is not self and e._settling_task == task and getattr(d, "process_group", None) is group
+               for d, e in list(_instances.items())):
+            return "another DistributedDataParallel on the same process group ran in this backward"
+        if graph is not None and graph.collectives:
+            return f"{graph.collectives[0]} issued a collective in this backward"
+        return None
+
+    def _refuse_a_mixed_late_fire(self, late: list[int], late_counts: list[float], world: int, context: str,
+                                  may_nest: str | None) -> None:
+        """NOTE [Unused parameters marked where DDP marks them]: a parameter fired at the end of the backward here
+        but not on every rank had its bucket all-reduced after ``context``'s collective here and before it
+        elsewhere: this step's gradients cannot be trusted, so the backward fails before any optimizer step."""
+        mixed = [i for i, n in zip(late, late_counts) if n < world]
+        if not mixed:
+            return  # fired at the end on every rank: the same place in the sequence everywhere
         raise RuntimeError(
-            f"ddp_patches: {len(late)} trainable parameter(s) of this DistributedDataParallel (e.g. "
-            f"'{self._names[late[0]]}') got no gradient, and the graph has a custom autograd Function "
-            f"({graph.may_nest if graph is not None else 'not walked'}) that could reach them in a nested backward, "
-            f"so their DDP hooks can only fire at the end of the backward; {why}, and a bucket all-reduced at the end "
-            "on this rank but earlier on another would pair with the wrong collective (wrong gradients or a "
-            "collective mismatch). Give this DDP its own group (process_group=torch.distributed.new_group(...)), or "
-            "pass find_unused_parameters=True, or make the Function non-reentrant (NOTE [Unused parameters marked "
-            "where DDP marks them] in ddp_patches/reach.py).")
+            f"ddp_patches: {len(mixed)} trainable parameter(s) of this DistributedDataParallel (e.g. "
+            f"'{self._names[mixed[0]]}') got no gradient on this rank, and a custom autograd Function in its graph "
+            f"({may_nest}) may reach parameters in a nested backward, so their DDP hooks fired at the end of the "
+            f"backward here but earlier on other ranks, while {context}: their buckets may have been all-reduced "
+            "with the wrong collective, so this step's gradients are not trusted. Give this DDP its own group "
+            "(process_group=torch.distributed.new_group(...)), or pass find_unused_parameters=True, or make the "
+            "Function non-reentrant (NOTE [Unused parameters marked where DDP marks them] in "
+            "ddp_patches/reach.py).")
 
-    def _reset_unused_everywhere(self, ddp: nn.Module, no_grad: list[int]) -> None:
+    def _reset_unused_everywhere(self, ddp: nn.Module, no_grad: list[int], late: list[int] = (),
+                                 context: str | None = None) -> None:
         """NOTE [Unused everywhere ends with grad None]; read back only where this rank had a parameter without
-        a gradient (NOTE [One collective per reduction, on every rank])."""
-        counts = torch.zeros(len(self._params), dtype=torch.float32, device=self._params[0].device)
+        a gradient (NOTE [One collective per reduction, on every rank]). The second half counts, per parameter, the
+        ranks that fired it at the end of the backward (NOTE [Unused parameters marked where DDP marks them])."""
+        n = len(self._params)
+        counts = torch.zeros(2 * n, dtype=torch.float32, device=self._params[0].device)
         if no_grad:
             counts[torch.tensor(no_grad, device=counts.device)] = 1.0
+        if late:
+            counts[torch.tensor(late, device=counts.device) + n] = 1.0
         group = getattr(ddp, "process_group", None)
         torch.distributed.all_reduce(counts, group=group)
+        world = torch.distributed.get_world_size(group)
         finalized, self._finalized_in_backward = self._finalized_in_backward, False
+        if late and context is not None:  # read back only where a late fire met another collective
+            graph_culprit = self._culprit
+            self._refuse_a_mixed_late_fire(late, counts[n:][late].tolist(), world, context, graph_culprit)
         if not no_grad:
             return  # every parameter had a gradient here, so none is unused everywhere: nothing to read back
-        self._pending_reset = (no_grad, counts, torch.distributed.get_world_size(group))
+        self._pending_reset = (no_grad, counts[:n], world)
         if finalized or not getattr(ddp, "_require_manual_backward_finalization", False):
             self.apply_pending_reset()  # else at the user's finalize_backward(): NOTE [Manual finalization]
 
@@ -464,7 +494,8 @@ class UnusedParameterEdges:
 
     def shadow_in_join(self, ddp: nn.Module) -> None:
         """On a rank that joined: the count-all-reduce its peers issue, with "no gradient here" everywhere."""
-        counts = torch.ones(len(self._params), dtype=torch.float32, device=self._params[0].device)
+        counts = torch.zeros(2 * len(self._params), dtype=torch.float32, device=self._params[0].device)
+        counts[:len(self._params)] = 1.0  # no gradient anywhere here; fired late nowhere
         torch.distributed.all_reduce(counts, group=getattr(ddp, "process_group", None))
 
 
@@ -629,12 +660,13 @@ def install(ddp: nn.Module) -> UnusedParameterEdges:
 
 def needs_defined_zero(param: torch.Tensor) -> bool:
     """Whether a Function with no gradient for ``param`` must still give it a defined zero: a DDP with
-    static_graph trains it (NOTE [Static graph needs a defined zero]); ``param`` then counts as having no gradient
-    on this rank (NOTE [Unused everywhere ends with grad None]). The tiled MLP asks, for a parameter no shard used."""
+    static_graph trains it (NOTE [Static graph needs a defined zero]). The parameter then ends with a zero
+    gradient: the engine sums that zero with whatever else reaches the parameter in the same backward, so it
+    cannot be told from a real one and is never reset to None (a shared weight used elsewhere keeps its gradient).
+    The tiled MLP asks, for a parameter no shard used."""
     for ddp, edges in list(_instances.items()):
         index = edges._index.get(id(param))
         if index is not None and not edges._retired and getattr(ddp, "static_graph", False):
-            edges.reached_empty(index)
             return True
     return False
 

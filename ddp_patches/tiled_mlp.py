@@ -76,6 +76,7 @@ _settings: dict = {"shard_tokens": None, "untiled": 0}
 _verdicts: dict[type, str | None] = {}  # class -> None (tiles) or why not; decided at its first call
 _counts = {"tiled_calls": 0, "shards": 0}
 _measured_intermediate: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+_outside: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()  # per instance
 
 
 def counts() -> dict:
@@ -292,7 +293,8 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
         rows = x.numel() // hidden if hidden else 0
         params = tuple(p for p in self.parameters() if p.requires_grad)
         if not (params or x.requires_grad) or not _long_enough(rows, hidden) \
-                or _hooked(self, params) or _verdict(self, x, original_forward) is not None:
+                or _hooked(self, params) or _verdict(self, x, original_forward) is not None \
+                or _reaches_outside(self, x, original_forward):
             return original_forward(self, x)
         sizes = _plan(self, x, rows, hidden)
         if len(sizes) == 1:
@@ -315,8 +317,9 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
 # naming the hook, whenever a submodule has forward, forward-pre or backward hooks, a global module hook is set, or
 # a trainable parameter of the MLP has a tensor hook (read per call: a few dict lookups per submodule). Hooks on
 # the MLP itself fire once around the whole call, tiled or not, and are kept. A trainable tensor that reaches the
-# output from outside the MLP's own parameters (a tensor attribute, another module's parameter) is found by the
-# per-class probe and leaves the class untiled. Tests: tests/test_tiled_mlp_hooks.py.
+# output from outside the MLP's own parameters (a tensor attribute, another module's parameter) is found per
+# instance, at its first tiled call, by one forward of 2 rows with grad, and leaves that instance untiled.
+# Tests: tests/test_tiled_mlp_hooks.py.
 OUTSIDE = "a trainable tensor from outside its parameters"
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -436,7 +439,20 @@ def _probe(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable)
     tol = 1e-4 if whole.dtype in (torch.float32, torch.float64) else 2e-2
     if not torch.allclose(whole, parts, rtol=tol, atol=tol * float(whole.abs().max())):
         return "its output for a token depends on the other tokens of the call (rows run in two parts differ)"
-    return _outside_tensor(module, rows, original_forward)
+    return None
+
+
+def _reaches_outside(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> bool:
+    """Per instance, at its first tiled call: whether a trainable tensor from outside its parameters reaches its
+    output (NOTE [Hooks inside a tiled MLP]); logs why, once per class and reason."""
+    if module not in _outside:
+        _outside[module] = _outside_tensor(module, x.detach().reshape(-1, x.shape[-1])[:2], original_forward)
+        if _outside[module] is not None:
+            cls = type(module)
+            log_rank0_once(f"tiled-outside-{cls.__qualname__}-{_outside[module]}", logging.WARNING,
+                           "ddp_patches: tiled MLP: a %s.%s runs untiled: %s", cls.__module__, cls.__qualname__,
+                           _outside[module])
+    return _outside[module] is not None
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -452,7 +468,7 @@ def _outside_tensor(module: torch.nn.Module, rows: torch.Tensor, original_forwar
     # not count what this probe saves (the recompute runs no probe).
     with torch.enable_grad(), dropout_off(module), torch.random.fork_rng(devices=devices, device_type="cuda"), \
             torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        out = original_forward(module, rows[:2])
+        out = original_forward(module, rows)
     seen, stack = set(), [out.grad_fn] if out.grad_fn is not None else []
     while stack:
         node = stack.pop()
@@ -568,6 +584,7 @@ def install(*, shard_tokens: int | None) -> list[str]:
     _counts.update(tiled_calls=0, shards=0)
     _verdicts.clear()
     _measured_intermediate.clear()
+    _outside.clear()
     REGISTRY.install(PreTrainedModel, "post_init", _discover_after_post_init)
     patched = [f"{c.__module__}.{c.__qualname__}" for c in _imported_candidates() if _patch_class(c)]
     logger.debug("ddp_patches: tiled MLP patched %d gate/up/down classes already imported", len(patched))
