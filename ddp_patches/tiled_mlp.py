@@ -341,10 +341,15 @@ def _hook_problem(module: torch.nn.Module, params: tuple) -> str | None:
     for name in _GLOBAL_HOOKS:
         if getattr(module_mod, name, None):
             return f"a global module hook is set (torch.nn.modules.module.{name})"
-    for name, sub in module.named_modules():
-        if sub is not module and (sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks
-                                  or sub._backward_pre_hooks):
+    stack = list(module._modules.values())  # its submodules, without named_modules()'s name building (per call)
+    while stack:
+        sub = stack.pop()
+        if sub is None:
+            continue
+        if sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks:
+            name = next(n for n, m in module.named_modules() if m is sub)
             return f"its submodule '{name}' has a forward or backward hook"
+        stack.extend(sub._modules.values())
     for p in params:
         if p._backward_hooks:
             return "a trainable parameter has a tensor hook (register_hook)"
