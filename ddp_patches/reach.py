@@ -136,7 +136,7 @@ class _FireHooks(torch.autograd.Function):
 #     accumulates it (a reentrant checkpoint: ``walk_graph``; Functions known to run none are listed by name).
 #   * The end of the backward fires only what is left: parameters a nested backward could have reached, or whose
 #     node ran without reaching AccumulateGrad. A parameter fired there on every rank is in the same place
-#     everywhere. The count-all-reduce's second half counts the ranks that fired each parameter late; where one
+#     everywhere. The count-all-reduce also counts the ranks that fired each parameter late; where one
 #     was late here but not everywhere, while another collective ran on the group in this backward (another DDP
 #     of the group in this graph task, a collective Function in the graph), the rank raises before any optimizer
 #     step, naming the fixes (a group of its own, find_unused_parameters=True, a non-reentrant Function).
@@ -169,19 +169,25 @@ def walk_graph(nodes: list) -> GraphFacts:
     may_nest, collectives = None, []
     seen = {id(node) for node in nodes}
     stack = [fn for node in nodes for fn, _ in node.next_functions if fn is not None]
+    pop, push, visit = stack.pop, stack.extend, seen.add
+    kinds: dict[type, str] = {}  # node type -> its Function's name ("" for a built-in node): one lookup per type
     while stack:
-        fn = stack.pop()
+        fn = pop()
         if id(fn) in seen:
             continue
-        seen.add(id(fn))
-        cls = getattr(fn, "_forward_cls", None)
-        if cls is not None:
-            name = f"{cls.__module__}.{cls.__qualname__}"
-            if name in _COLLECTIVES:
-                collectives.append(name)
-            elif name not in _NO_NESTED_BACKWARD and may_nest is None:
-                may_nest = name
-        stack.extend(f for f, _ in fn.next_functions if f is not None)
+        visit(id(fn))
+        kind = kinds.get(type(fn))
+        if kind is None:
+            cls = getattr(fn, "_forward_cls", None)
+            kind = kinds[type(fn)] = "" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+        if kind:
+            if kind in _COLLECTIVES:
+                collectives.append(kind)
+            elif kind not in _NO_NESTED_BACKWARD and may_nest is None:
+                may_nest = kind
+        nexts = fn.next_functions
+        if nexts:
+            push([f for f, _ in nexts if f is not None])
     return GraphFacts(may_nest, collectives)
 
 
@@ -440,22 +446,17 @@ class UnusedParameterEdges:
         """NOTE [Unused everywhere ends with grad None]; read back only where this rank had a parameter without
         a gradient (NOTE [One collective per reduction, on every rank]). The second half counts, per parameter, the
         ranks that fired it at the end of the backward (NOTE [Unused parameters marked where DDP marks them])."""
-        n = len(self._params)
-        counts = torch.zeros(2 * n, dtype=torch.float32, device=self._params[0].device)
-        if no_grad:
-            counts[torch.tensor(no_grad, device=counts.device)] = 1.0
-        if late:
-            counts[torch.tensor(late, device=counts.device) + n] = 1.0
         group = getattr(ddp, "process_group", None)
-        torch.distributed.all_reduce(counts, group=group)
         world = torch.distributed.get_world_size(group)
+        counts = _count_tensor(len(self._params), no_grad, late, world, self._params[0].device)
+        torch.distributed.all_reduce(counts, group=group)
         finalized, self._finalized_in_backward = self._finalized_in_backward, False
         if late and context is not None:  # read back only where a late fire met another collective
-            graph_culprit = self._culprit
-            self._refuse_a_mixed_late_fire(late, counts[n:][late].tolist(), world, context, graph_culprit)
+            late_counts = (counts[late] // (world + 1)).tolist()
+            self._refuse_a_mixed_late_fire(late, late_counts, world, context, self._culprit)
         if not no_grad:
             return  # every parameter had a gradient here, so none is unused everywhere: nothing to read back
-        self._pending_reset = (no_grad, counts[:n], world)
+        self._pending_reset = (no_grad, torch.remainder(counts, world + 1), world)
         if finalized or not getattr(ddp, "_require_manual_backward_finalization", False):
             self.apply_pending_reset()  # else at the user's finalize_backward(): NOTE [Manual finalization]
 
@@ -494,9 +495,10 @@ class UnusedParameterEdges:
 
     def shadow_in_join(self, ddp: nn.Module) -> None:
         """On a rank that joined: the count-all-reduce its peers issue, with "no gradient here" everywhere."""
-        counts = torch.zeros(2 * len(self._params), dtype=torch.float32, device=self._params[0].device)
-        counts[:len(self._params)] = 1.0  # no gradient anywhere here; fired late nowhere
-        torch.distributed.all_reduce(counts, group=getattr(ddp, "process_group", None))
+        group = getattr(ddp, "process_group", None)
+        n = len(self._params)
+        counts = _count_tensor(n, range(n), [], torch.distributed.get_world_size(group), self._params[0].device)
+        torch.distributed.all_reduce(counts, group=group)  # no gradient anywhere here; fired late nowhere
 
 
 # NOTE [Only a backward that accumulates]
@@ -656,6 +658,18 @@ def install(ddp: nn.Module) -> UnusedParameterEdges:
     _instances[ddp] = edges
     _by_module[ddp.module] = edges
     return edges
+
+
+def _count_tensor(n: int, no_grad, late, world: int, device) -> torch.Tensor:
+    """Per parameter: 1 where it had no gradient here, plus world + 1 where it fired late here. After the sum over
+    ranks, ``value % (world + 1)`` counts the ranks without a gradient and ``value // (world + 1)`` the late ones;
+    float32 holds both exactly while (world + 1)^2 < 2^24, float64 beyond."""
+    counts = torch.zeros(n, dtype=torch.float32 if world < 4000 else torch.float64, device=device)
+    if no_grad:
+        counts[torch.tensor(list(no_grad), device=device)] = 1.0
+    if late:
+        counts[torch.tensor(late, device=device)] += float(world + 1)
+    return counts
 
 
 def needs_defined_zero(param: torch.Tensor) -> bool:
