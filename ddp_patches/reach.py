@@ -324,6 +324,8 @@ class UnusedParameterEdges:
     def _start_node(self, outputs: tuple) -> tuple:
         # Every forward's start node until the settle (weakly: a discarded output frees its graph): the walk must
         # see below all of them, a second forward of this DDP in the same loss included.
+        if len(self._starts) >= 8:  # forwards with grad and no backward (a detached reference output) add up
+            self._starts = [ref for ref in self._starts if ref() is not None]
         self._starts.append(weakref.ref(outputs[0].grad_fn))
         return outputs
 
