@@ -18,6 +18,7 @@ from . import reducer as _reducer_patch
 from . import teardown as _teardown
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
+from . import zero as _zero
 from ._registry import REGISTRY
 from .distributed import forget_pending, log_rank0_once, reset_log_once
 
@@ -68,7 +69,8 @@ def apply(
     options it reverts and re-applies.
 
     Args:
-        checkpointing: run every activation checkpoint as ``use_reentrant=False`` under DDP.
+        checkpointing: run every activation checkpoint as ``use_reentrant=False`` under DDP and DeepSpeed
+            ZeRO-1/2 (NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/zero.py).
         reducer: choose safe DDP settings at construction, make static_graph work with gradient accumulation,
             and check the trainable-parameter set at each forward.
         offload: move the inputs of each non-reentrant checkpoint (a layer's input hidden states) to pinned host
@@ -85,8 +87,8 @@ def apply(
         offload_max_in_flight: checkpoint regions whose inputs stay on the device while their copy to the host may
             still run (default 1). Larger helps where the forward outruns the copies (the compute stream then
             waits for them); each region more keeps one more layer input on the device.
-        tiled_mlp: under DDP or FSDP2, run every gate/up/down MLP (found by structure on the model, any
-            family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward that
+        tiled_mlp: under DDP, FSDP2 or DeepSpeed ZeRO-1/2, run every gate/up/down MLP (found by structure on the
+            model, any family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward that
             fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
         tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: the rule by bytes,
             min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2 (NOTE [Tiling by
@@ -131,6 +133,8 @@ def apply(
                 prefetch_depth=options["offload_prefetch_depth"],
                 max_in_flight=options["offload_max_in_flight"],
             )
+        if options["checkpointing"] or options["tiled_mlp"] or options["offload"] is not False:
+            installed += _zero.install()  # which modules a DeepSpeed engine runs (NOTE [Engines])
         installed += _guard.install(on_unsynced=options["on_unsynced"],
                                     replica_check_every=options["replica_check_every"])
         _engines.install_compile_notice()
@@ -178,6 +182,11 @@ def _revert(keep_instances: bool) -> list[str]:
 
 def is_applied() -> bool:
     return _state["report"] is not None
+
+
+def current_report() -> ApplyReport | None:
+    """The report of the apply() in force, or None."""
+    return _state["report"]
 
 
 @contextlib.contextmanager

@@ -29,13 +29,13 @@ Options (each also an environment variable, which is what the child processes re
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import shutil
 import sys
 import types
 from typing import Callable
+from ._after_import import AfterImport
 
 ENABLE = "DDP_PATCHES_APPLY"
 LOG_LEVEL = "DDP_PATCHES_LOG_LEVEL"
@@ -135,40 +135,11 @@ def options_from_env(environ: dict | None = None) -> dict:
 # patch acts on torch, transformers and DDP objects looked up at call time. So the hook waits for the first
 # ``import torch`` (a one-shot meta-path finder that wraps the torch loader's ``exec_module``) and calls apply()
 # right after torch's own __init__ has run -- before any user line that could build a Trainer or DDP.
-class _ApplyAfterTorchImport:
-    """A ``sys.meta_path`` finder: run ``callback`` once torch's module body has executed.
-
-    It stays on the path until torch is really imported: ``importlib.util.find_spec("torch")``, which
-    transformers, accelerate and TRL call to test availability, asks for a spec without executing it.
-    """
+class _ApplyAfterTorchImport(AfterImport):
+    """A ``sys.meta_path`` finder: run ``callback`` once torch's module body has executed (``_after_import``)."""
 
     def __init__(self, callback: Callable[[], None]) -> None:
-        self.callback = callback
-        self._finding = False
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "torch" or self._finding:
-            return None
-        self._finding = True
-        try:
-            spec = importlib.util.find_spec("torch")  # what the finders after this one would return
-        finally:
-            self._finding = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader, original = spec.loader, spec.loader.exec_module
-
-        def exec_module(module):
-            try:
-                original(module)
-            finally:
-                del loader.exec_module  # back to the class's method
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-                self.callback()
-
-        loader.exec_module = exec_module
-        return spec
+        super().__init__("torch", callback)
 
 
 def apply_from_env() -> None:

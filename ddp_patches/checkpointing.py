@@ -35,13 +35,26 @@ import torch
 import torch.distributed as torch_distributed
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import engines, probes
+from . import engines, offload, probes
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 
 TARGET = "torch.utils.checkpoint.CheckpointFunction"
+
+
+_SWAP_LINE = {
+    engines.DDP: "ddp_patches: activation checkpointing use_reentrant=True -> False under %s (world size %d): a "
+                 "reentrant checkpoint fires DDP's gradient hooks in a separate backward pass ('marked as ready "
+                 "twice'); gradients are unchanged. NOTE [Why non-reentrant] in ddp_patches/checkpointing.py; "
+                 "apply(checkpointing=False) keeps it reentrant",
+    engines.ZERO12: "ddp_patches: activation checkpointing use_reentrant=True -> False under %s (world size %d): "
+                    "a reentrant checkpoint runs a weight's gradient hook once per region that uses it, and ZeRO "
+                    "reduces it twice ('has already been reduced'); gradients are unchanged. NOTE [Reentrant "
+                    "checkpoints under ZeRO-1/2] in ddp_patches/zero.py; apply(checkpointing=False) keeps it "
+                    "reentrant",
+}
 
 
 def _make_non_reentrant_under_ddp(original_cls: type) -> type:
@@ -58,15 +71,10 @@ def _make_non_reentrant_under_ddp(original_cls: type) -> type:
             if not engines.acts("checkpointing", engine):
                 engines.step_aside("checkpointing", engine)
                 return original_cls.apply(function, preserve_rng_state, *args)
-            log_rank0_once(
-                "checkpoint-swap",
-                logging.WARNING,
-                "ddp_patches: activation checkpointing use_reentrant=True -> False under DDP (world size %d): a "
-                "reentrant checkpoint fires DDP's gradient hooks in a separate backward pass ('marked as ready "
-                "twice'); gradients are unchanged. NOTE [Why non-reentrant] in ddp_patches/checkpointing.py; "
-                "apply(checkpointing=False) keeps it reentrant",
-                torch_distributed.get_world_size(),
-            )
+            log_rank0_once(f"checkpoint-swap-{engine}", logging.WARNING, _SWAP_LINE[engine], engine,
+                           torch_distributed.get_world_size())
+            if offload.outer_save_on_cpu():  # NOTE [One offload at a time]
+                offload.say_outer_offload_acts()
             return torch_checkpoint.checkpoint(
                 function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
             )

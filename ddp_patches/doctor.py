@@ -174,8 +174,15 @@ def _engine_findings(args: Any) -> list[Finding]:
     if engine == engines.DEEPSPEED:
         return [Finding(
             "deepspeed-steps-aside", "info", evidence,
-            "nothing fails; the checkpoint swap, offload and tiled MLP step aside under DeepSpeed",
+            "nothing fails; the checkpoint swap, offload and tiled MLP step aside under DeepSpeed ZeRO-3",
             "nothing to do: DeepSpeed does not use DDP's reducer")]
+    if engine == engines.ZERO12:
+        return [Finding(
+            "deepspeed-zero12", "info", evidence,
+            "a weight used in two reentrant checkpoints (a shared block, two forwards before one backward) fails with "
+            "'has already been reduced' under ZeRO-2 and ZeRO-1 with overlap_comm",
+            "ddp_patches.apply(): the checkpoint swap, offload and tiled MLP act under ZeRO-1/2 "
+            "(NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/zero.py)")]
     return []
 
 
@@ -195,12 +202,30 @@ def _checkpoint_findings(model: Any, args: Any) -> list[Finding]:
             "reentrant-checkpoint", "warning", "reentrant activation checkpointing (use_reentrant=True or {} kwargs)",
             MRO + " for a layer or weight used in two checkpointed regions; no LoRA gradients for a region whose "
             "input does not require grad", "ddp_patches.apply(), or use_reentrant=False"))
-    if model is not None and _transformers_offload(model) and not torch.cuda.is_available():
-        found.append(Finding(
+    if model is not None and _transformers_offload(model):
+        found.append(_transformers_offload_finding(reentrant))
+    return found
+
+
+def _transformers_offload_finding(reentrant: bool) -> Finding:
+    """transformers' offload=True: fails on a CPU host; elsewhere it is the one offload that acts on its
+    checkpoints (NOTE [One offload at a time] in ddp_patches/offload.py)."""
+    if not torch.cuda.is_available():
+        return Finding(
             "transformers-offload-on-cpu-host", "error", "activation_checkpointing_enable(offload=True) on a host "
             "without CUDA", "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend",
-            "drop offload=True; ddp_patches.apply(offload=True) offloads checkpoint inputs itself where a GPU exists"))
-    return found
+            "drop offload=True; ddp_patches.apply(offload=True) offloads checkpoint inputs itself where a GPU exists")
+    report = api.current_report()
+    ours = bool(report and report.options.get("offload"))
+    swap = " The checkpoint swap runs inside it and keeps it." if reentrant and report else ""
+    return Finding(
+        "transformers-offload", "info", "activation_checkpointing_enable(offload=True)"
+        + (" with ddp_patches.apply(offload=True)" if ours else ""),
+        "no error: transformers' save_on_cpu moves each checkpoint's inputs to host memory"
+        + ("; this library's offload steps aside for those checkpoints (no tensor is copied twice)" if ours else "")
+        + "." + swap,
+        "nothing, or drop offload=True from activation_checkpointing_enable and use ddp_patches.apply(offload=True), "
+        "whose copies overlap compute (README, Offload)")
 
 
 def _reducer_findings(model: Any, args: Any) -> list[Finding]:

@@ -4,13 +4,14 @@
 # Every patch was written for, and is proven under, particular engines; under any other it steps aside and
 # says why, once, at WARNING on rank 0 (``step_aside``). "Proven" means a test with gradient parity against a
 # single process (README, engine table):
-#   * the checkpoint swap fixes DDP's reducer (NOTE [Why non-reentrant]) and acts only inside a DDP forward.
-#     FSDP2 has no reducer to confuse: reentrant checkpoints train there with parity, so the user's choice is
+#   * the checkpoint swap fixes DDP's reducer (NOTE [Why non-reentrant]) and ZeRO-1/2's per-parameter reduction
+#     (NOTE [Reentrant checkpoints under ZeRO-1/2] in zero.py). FSDP2 and DeepSpeed without ZeRO have no
+#     per-parameter hook to confuse: reentrant checkpoints train there with parity, so the user's choice is
 #     kept. Under DeepSpeed ZeRO-3, non-reentrant checkpoints are reported to fail on partitioned frozen weights
 #     (CheckpointError ... shape [0]) and TRL forces reentrant for PEFT there: never overridden.
 #   * offload (saved-tensor hooks on checkpoint inputs) and the tiled MLP (an autograd.Function whose backward
-#     returns the parameters' gradients once) hold under DDP and FSDP2 (FSDP2's unsharded parameters are
-#     ordinary tensors during forward and are unsharded again before the layer's backward).
+#     returns the parameters' gradients once) hold under DDP, FSDP2 and ZeRO-1/2 (FSDP2's unsharded parameters and
+#     ZeRO-1/2's parameters are ordinary tensors during forward and backward).
 #   * the reducer patches are DDP's by construction.
 #   * under torch.compile, dynamo traces checkpoints as its own operator: neither CheckpointFunction nor the
 #     non-reentrant generator runs, so swap and offload cannot act inside compiled code, and the tiled MLP and the
@@ -24,10 +25,12 @@
 #      the head, outside the forward).
 #   4. FSDP2 / FSDP1: the module lies under a module that ``fully_shard`` (or FSDP1) registered in torch's
 #      composable-state table, or holds FSDP1's flattened parameters. Cached per module.
-#   5. DeepSpeed ZeRO-3 by the process-wide switch: transformers' ``is_deepspeed_zero3_enabled()`` (an
-#      ``HfDeepSpeedConfig`` is alive; no engine needs to run), only where 2-4 found nothing (NOTE [The engine is
+#   5. DeepSpeed by its engine: a DeepSpeedEngine built while applied runs the module; its ZeRO stage, read at
+#      call time, names the engine (zero.py).
+#   6. DeepSpeed ZeRO-3 by the process-wide switch: transformers' ``is_deepspeed_zero3_enabled()`` (an
+#      ``HfDeepSpeedConfig`` is alive; no engine needs to run), only where 2-5 found nothing (NOTE [The engine is
 #      the module's owner's]).
-#   6. none of these: "no engine" (a model outside any wrapper, or an engine this library does not know).
+#   7. none of these: "no engine" (a model outside any wrapper, or an engine this library does not know).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from . import zero
 from .distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
@@ -50,16 +54,18 @@ logger = logging.getLogger("ddp_patches")
 DDP = "DDP"
 FSDP2 = "FSDP2"
 FSDP1 = "FSDP1"
-DEEPSPEED = "DeepSpeed"
+DEEPSPEED = "DeepSpeed"  # ZeRO-3, or a stage no one has told us
+ZERO12 = "DeepSpeed ZeRO-1/2"
+ZERO0 = "DeepSpeed ZeRO-0"
 COMPILE = "torch.compile"
 NONE = "no engine"
 
 # Where each patch acts; every cell is a test (README "Engines").
 ACTS_UNDER: dict[str, tuple[str, ...]] = {
-    "checkpointing": (DDP,),
+    "checkpointing": (DDP, ZERO12),
     "reducer": (DDP,),
-    "offload": (DDP, FSDP2),
-    "tiled_mlp": (DDP, FSDP2),
+    "offload": (DDP, FSDP2, ZERO12),
+    "tiled_mlp": (DDP, FSDP2, ZERO12),
 }
 
 _WHY: dict[tuple[str, str], str] = {
@@ -68,6 +74,8 @@ _WHY: dict[tuple[str, str], str] = {
                               "use_reentrant=False to offload them)",
     ("checkpointing", DEEPSPEED): "non-reentrant checkpoints are reported to fail under ZeRO-3 on partitioned frozen "
                                   "weights (CheckpointError ... shape [0]) and TRL forces reentrant for PEFT there",
+    ("checkpointing", ZERO0): "without ZeRO, DeepSpeed averages gradients after backward with no per-parameter hook; "
+                              "reentrant checkpoints train there as asked",
     ("checkpointing", COMPILE): "dynamo traces checkpoints as its own operator; compiled DDP trains with reentrant "
                                 "checkpoints as they are",
     ("checkpointing", NONE): "no DistributedDataParallel forward is running around this checkpoint (the model is "
@@ -82,7 +90,7 @@ def _why(patch: str, engine: str) -> str:
     if engine == COMPILE:
         return "dynamo is tracing this code; compiled code runs without it"
     if engine == NONE:
-        return "the model runs under no engine this library has proven it under (DDP, FSDP2)"
+        return "the model runs under no engine this library has proven it under (DDP, FSDP2, DeepSpeed ZeRO-1/2)"
     return f"it is not proven under {engine}"
 
 
@@ -179,7 +187,15 @@ def _detect(module: nn.Module | None) -> str:
     sharded = _sharded_engine(module) if module is not None else None
     if sharded is not None:
         return sharded
+    stage = zero.stage_of(module) if module is not None else None
+    if stage is not None:
+        return _of_stage(stage)
     return DEEPSPEED if deepspeed_zero3() else NONE
+
+
+def _of_stage(stage: int | None) -> str:
+    """The engine label of a DeepSpeed ZeRO stage (NOTE [Reentrant checkpoints under ZeRO-1/2] in zero.py)."""
+    return {0: ZERO0, 1: ZERO12, 2: ZERO12}.get(stage, DEEPSPEED)
 
 
 def of_function(function: Any) -> str:
@@ -266,7 +282,9 @@ def expected_from_environment(environ: dict | None = None) -> tuple[str, str]:
     if deepspeed_zero3():
         return DEEPSPEED, "transformers HfDeepSpeedConfig with ZeRO stage 3"
     if _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
-        return DEEPSPEED, "ACCELERATE_USE_DEEPSPEED"
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        return (_of_stage(int(stage)) if str(stage).strip().isdigit() else DEEPSPEED,
+                "ACCELERATE_USE_DEEPSPEED" + (f", ACCELERATE_DEEPSPEED_ZERO_STAGE={stage}" if stage else ""))
     if _truthy(env.get("ACCELERATE_USE_FSDP")):
         version = str(env.get("FSDP_VERSION", "1")).strip()
         return (FSDP2 if version == "2" else FSDP1), f"ACCELERATE_USE_FSDP, FSDP_VERSION={version}"
@@ -282,7 +300,8 @@ def expected_from_args(args: Any) -> tuple[str, str] | None:
     if args is None:
         return None
     if getattr(args, "deepspeed", None):
-        return DEEPSPEED, "TrainingArguments.deepspeed"
+        stage = zero.stage_of_config(args.deepspeed)
+        return _of_stage(stage), "TrainingArguments.deepspeed" + (f", ZeRO stage {stage}" if stage is not None else "")
     if getattr(args, "fsdp", None):
         config = getattr(args, "fsdp_config", None) or {}
         version = str(config.get("fsdp_version", config.get("version", 1)))

@@ -262,6 +262,9 @@ class CheckpointInputOffloader:
             if engine not in self.engines:
                 _engines.step_aside("offload", engine)
                 return False
+        if outer_save_on_cpu():  # NOTE [One offload at a time]
+            say_outer_offload_acts()
+            return False
         return _hook_stack_free()
 
     @contextlib.contextmanager
@@ -432,6 +435,34 @@ def _identity(t: torch.Tensor) -> tuple:
 
 def _typed_view(buf: torch.Tensor, h: _Offloaded) -> torch.Tensor:
     return buf[:h.nbytes].view(h.dtype).as_strided(h.shape, h.stride)
+
+
+# NOTE [One offload at a time]
+# ``torch.autograd.graph.save_on_cpu`` pushed around a checkpoint call (transformers'
+# ``activation_checkpointing_enable(offload=True)`` wraps every checkpoint in one; users push their own) sees
+# exactly what this library's offload would: the checkpoint's inputs (NOTE [What the outer hook sees]). Two
+# offloads would copy each tensor twice, so the outer one acts and ours steps aside for that call. The checkpoint
+# swap runs inside the outer context (it is entered before CheckpointFunction.apply), so it keeps it. One WARNING
+# line on rank 0 says which offload acts. Proven by tests/test_offload_outer.py.
+SAVE_ON_CPU_PACK = "save_on_cpu.__init__.<locals>.pack_to_cpu"
+
+
+def outer_save_on_cpu() -> bool:
+    """The saved-tensor hooks on top of the stack are a ``save_on_cpu``'s (False where torch cannot say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return hooks is not None and getattr(hooks[0], "__qualname__", "") == SAVE_ON_CPU_PACK
+
+
+def say_outer_offload_acts() -> None:
+    ours = ("steps aside for these checkpoints so that no tensor is copied twice (drop offload=True from "
+            "activation_checkpointing_enable to use this library's overlapped offload instead)"
+            if current() is not None else "is off")
+    log_rank0_once("offload-outer-save-on-cpu", logging.WARNING,
+                   "ddp_patches: checkpoints run inside torch.autograd.graph.save_on_cpu (transformers' "
+                   "activation_checkpointing_enable(offload=True), or the caller's own): that offload moves their "
+                   "inputs to host memory, also where the checkpoint swap made them non-reentrant; this library's "
+                   "offload %s. NOTE [One offload at a time] in ddp_patches/offload.py", ours)
 
 
 def _hook_stack_free() -> bool:

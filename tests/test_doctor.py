@@ -116,3 +116,21 @@ def test_dpo_with_liger_is_flagged_as_an_unwrapped_loss(tmp_path):
     assert "unwrapped-loss" in diagnose(None, DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_liger_kernel=True)).codes()
     assert "unwrapped-loss" not in diagnose(None, DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)).codes()
     assert any("rendezvous store" in line for line in diagnose().would_change)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="on a host without CUDA the finding is the pin_memory error")
+@pytest.mark.parametrize("ours", [False, True])
+def test_transformers_offload_with_and_without_ours(ours):
+    from ddp_patches.verify.hf_models import build_causal_lm
+
+    ddp_patches.apply(offload=ours)
+    model = build_causal_lm("llama", dtype=torch.float32)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}, offload=True)
+    finding = next(f for f in diagnose(model).findings if f.code == "transformers-offload")
+    assert ("steps aside" in finding.failure) == ours and "keeps it" in finding.failure
+
+
+def test_a_zero2_config_is_named_and_what_acts(tmp_path):
+    args = training_args(tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+    finding = next(f for f in diagnose(None, args).findings if f.code == "deepspeed-zero12")
+    assert "already been reduced" in finding.failure and "act under ZeRO-1/2" in finding.fix

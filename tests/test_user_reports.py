@@ -410,6 +410,60 @@ def test_transformers_47254_zero3_repartitioned_param(pool):
            "aside)", status=user_reports.LOUD)
 
 
+# -- DeepSpeed#988 and #2103: ZeRO-2 and a weight in two reentrant checkpoints ------------------------------------
+def _zero_outcome(result: dict, control: dict) -> str:
+    """A DeepSpeed run's outcome: its error, or whether its weights equal the no-checkpoint control's."""
+    from tests.test_zero import _max_difference
+
+    if result["error"]:
+        return user_reports.error_phrase(result["error"])
+    same = _max_difference(result, control) <= 1e-6
+    return "trains, weights = no-checkpoint control (<= 1e-6)" if same else "trains, weights differ from the control"
+
+
+def _zero_report(pool, fn, **kwargs) -> tuple[str, str]:
+    control = pool.run(fn, patched=False, **{**kwargs, "ckpt": None})
+    outcomes = []
+    for patched in (False, True):
+        results = pool.run(fn, patched=patched, **kwargs)
+        ranks = {_zero_outcome(r, c) for r, c in zip(results, control)}
+        assert len(ranks) == 1, ranks
+        outcomes.append(ranks.pop())
+    return outcomes[0], outcomes[1]
+
+
+def siamese_lora(patched: bool, ckpt="reentrant") -> dict:
+    from tests.test_zero import REENTRANT as ZERO_REENTRANT
+    from tests.test_zero import lora_llama
+
+    return lora_llama(ckpt_kwargs=ZERO_REENTRANT if ckpt else None, patched=patched, second_forward=True)
+
+
+def shared_block(patched: bool, ckpt="reentrant", stage=2, overlap=False) -> dict:
+    from tests.test_zero import shared_weight
+
+    return shared_weight(stage=stage, overlap=overlap, checkpoint=ckpt, patched=patched)
+
+
+def test_deepspeed_988_two_forwards_zero2(pool):
+    """The same model on two inputs (a Siamese encoder; PPO's actor for the RL and the ptx loss), losses summed, one
+    backward, under ZeRO-2 with reentrant checkpointing: Llama LoRA, 2 ranks, CPU DeepSpeed."""
+    unpatched, patched = _zero_report(pool, siamese_lora)
+    assert unpatched == "error: has already been reduced (ZeRO)" and patched.startswith("trains, weights =")
+    record("DeepSpeed#988, DeepSpeedExamples#458", unpatched=unpatched, patched=patched, status=user_reports.FIXED)
+
+
+def test_deepspeed_2103_shared_block_zero2(pool):
+    """One block applied twice, each application checkpointed (a recursive transformer; Bunny's S2 runs the vision
+    tower at several scales): ZeRO-2 and ZeRO-1 with overlap_comm."""
+    zero2 = _zero_report(pool, shared_block)
+    zero1 = _zero_report(pool, shared_block, stage=1, overlap=True)
+    assert zero1 == zero2, (zero1, zero2)
+    unpatched, patched = zero2
+    assert unpatched == "error: has already been reduced (ZeRO)" and patched.startswith("trains, weights =")
+    record("DeepSpeed#2103, Bunny#146", unpatched=unpatched, patched=patched, status=user_reports.FIXED)
+
+
 # -- pytorch#144035: torch.compile inside a non-reentrant checkpoint under DDP -----------------------------------
 class _MLPInCheckpoint(nn.Module):
     """An MLP run inside a non-reentrant checkpoint; ``backend``: the MLP itself is compiled (else the caller

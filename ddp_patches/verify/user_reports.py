@@ -45,6 +45,7 @@ _ERRORS = (
     ("CheckpointError", "error: CheckpointError (recompute differs)"),
     ("UnsynchronizedGradientsError", "error: unsynchronised gradients (guard)"),
     ("does not require grad", "error: element 0 of tensors does not require grad"),
+    ("has already been reduced", "error: has already been reduced (ZeRO)"),
 )
 
 
@@ -125,6 +126,14 @@ REPORTS = (
            "ZeRO-3 + LoRA + non-reentrant GC (frozen params re-partitioned in recompute)",
            "DeepSpeed >= #8148, or reentrant GC under ZeRO-3 (TRL does this); the library steps aside under ZeRO-3",
            "test_transformers_47254_zero3_repartitioned_param"),
+    Report("DeepSpeed#988, DeepSpeedExamples#458", _GH + "deepspeedai/DeepSpeed/issues/988",
+           "ZeRO-2, the same model run on two inputs before one backward (Siamese, PPO actor + ptx loss), "
+           "reentrant GC",
+           "`apply()` (the swap acts under ZeRO-1/2); or non-reentrant GC", "test_deepspeed_988_two_forwards_zero2"),
+    Report("DeepSpeed#2103, Bunny#146", _GH + "deepspeedai/DeepSpeed/issues/2103",
+           "ZeRO-2 (or ZeRO-1 `overlap_comm`), one block's weights used by several checkpointed regions, "
+           "reentrant checkpoints",
+           "`apply()`; or non-reentrant checkpoints", "test_deepspeed_2103_shared_block_zero2"),
     Report("kernels-community#1081", _GH + "huggingface/kernels-community/issues/1081",
            "tiled MLP kernel calling backward per shard, under DDP",
            "use the fixed kernel (#1083) or `apply(tiled_mlp=True)` instead", "test_kernels_1081_tiled_mlp_per_shard"),

@@ -1,0 +1,108 @@
+"""Which modules a DeepSpeed engine runs, and with which ZeRO stage (read from the live engine at call time)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import weakref
+from typing import Any
+
+from torch import nn
+
+from ._after_import import when_imported
+from ._registry import REGISTRY
+
+logger = logging.getLogger("ddp_patches")
+
+ENGINE_MODULE = "deepspeed.runtime.engine"
+TARGET = f"{ENGINE_MODULE}.DeepSpeedEngine.__init__"
+
+# NOTE [Reentrant checkpoints under ZeRO-1/2]
+# ZeRO stage 2, and stage 1 with overlap_comm, reduce a parameter's gradient from a hook that runs after its
+# AccumulateGrad node, and assert that this happens once per backward (stage_1_and_2.py: "has already been
+# reduced ... Gradient computed twice for this partition"). A reentrant checkpoint runs its region's backward as
+# a separate graph task, so a weight used in two reentrant regions (a shared block, a second forward before the
+# backward) has its AccumulateGrad run once per region: the assert fires, with or without DDP in sight. A
+# non-reentrant checkpoint recomputes inside the one graph task, where the two uses' gradients are summed before
+# the node runs once. So the checkpoint swap acts under stages 1 and 2 (stage 1 without overlap_comm reduces
+# after backward and trains either way; the swap keeps one rule per stage). Stage 3 keeps reentrant checkpoints
+# (NOTE [Engines]); stage 0 averages after backward with no per-parameter hook, so the user's choice is kept.
+# DeepSpeed marks no running forward, so the modules an engine runs are recorded when it is built (its
+# constructor, patched when deepspeed.runtime.engine is imported) and the stage is read from the live engine.
+# Proven by tests/test_zero.py (unpatched: the assert; patched: final weights equal to the same config without
+# checkpointing).
+_owner: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def own(engine: Any) -> None:
+    """Record the modules ``engine`` (a DeepSpeedEngine) runs."""
+    module = getattr(engine, "module", None)
+    if not isinstance(module, nn.Module):
+        logger.info("ddp_patches: a DeepSpeedEngine without a module attribute; its modules are not recorded")
+        return
+    ref = weakref.ref(engine)
+    for m in module.modules():
+        _owner[m] = ref
+
+
+def stage_of(module: nn.Module) -> int | None:
+    """The ZeRO stage of the live DeepSpeed engine that runs ``module``; None when no recorded engine runs it."""
+    ref = _owner.get(module)
+    engine = ref() if ref is not None else None
+    if engine is None:
+        return None
+    try:
+        return int(engine.zero_optimization_stage())
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def stage_of_config(config: Any) -> int | None:
+    """``zero_optimization.stage`` of a DeepSpeed config given as a dict or a JSON file path; None if unknown
+    (accelerate and the Trainer pass either)."""
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+    if not isinstance(config, dict):
+        return None
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    try:
+        return int(stage)
+    except (TypeError, ValueError):
+        return None  # "auto" or a typo: DeepSpeed itself decides
+
+
+def _owning_init(original_init):
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        own(self)
+
+    return __init__
+
+
+def _patch_engine_init() -> None:
+    import importlib
+
+    engine_module = importlib.import_module(ENGINE_MODULE)  # already imported: a dictionary lookup
+    cls = getattr(engine_module, "DeepSpeedEngine", None)
+    if cls is None:
+        logger.warning("ddp_patches: %s has no DeepSpeedEngine in this deepspeed version; the patches treat "
+                       "DeepSpeed ZeRO-1/2 models as outside any engine (they step aside there)", ENGINE_MODULE)
+        return
+    REGISTRY.install(cls, "__init__", _owning_init)
+
+
+def install() -> list[str]:
+    """Record every DeepSpeed engine built from now on: patch its constructor now if deepspeed is imported, else
+    right after it is (nothing is imported here)."""
+    finder = when_imported(ENGINE_MODULE, _patch_engine_init)
+    if finder is not None:
+        REGISTRY.add_handle(finder)
+        return []
+    return [TARGET]
