@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 
 import pytest
 import torch
@@ -227,10 +228,11 @@ def trainer_zero2(checkpointing: bool = True, patched: bool = True, steps: int =
     data = Dataset.from_dict({"input_ids": rows, "labels": rows})
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 2}}
-    with _warnings() as lines, (ddp_patches.patched() if patched else contextlib.nullcontext()):
+    with _warnings() as lines, (ddp_patches.patched() if patched else contextlib.nullcontext()), \
+            tempfile.TemporaryDirectory() as out:
         torch.manual_seed(0)
         model = build_causal_lm("llama", dtype=torch.float32)
-        args = TrainingArguments(output_dir=f"/tmp/ddp_patches_zero2_{os.getpid()}", per_device_train_batch_size=2,
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2,
                                  max_steps=steps, deepspeed=ds_config, use_cpu=True, optim="sgd", learning_rate=0.1,
                                  lr_scheduler_type="constant", gradient_checkpointing=checkpointing,
                                  gradient_checkpointing_kwargs={"use_reentrant": True}, report_to=[],
