@@ -78,9 +78,10 @@ _WHY: dict[tuple[str, str], str] = {
                               "reentrant checkpoints train there as asked",
     ("checkpointing", COMPILE): "dynamo traces checkpoints as its own operator; compiled DDP trains with reentrant "
                                 "checkpoints as they are",
-    ("checkpointing", NONE): "no DistributedDataParallel forward is running around this checkpoint (the model is "
-                             "not wrapped in DDP, the checkpoint wraps the DDP itself, or an engine this library "
-                             "does not know runs it)",
+    ("checkpointing", NONE): "no DistributedDataParallel forward is running around this checkpoint and no DeepSpeed "
+                             "ZeRO-1/2 engine built after apply() runs it (the model is not wrapped in DDP, the "
+                             "checkpoint wraps the DDP itself, a DeepSpeed engine was built before apply(), or an "
+                             "engine this library does not know runs it)",
 }
 
 
