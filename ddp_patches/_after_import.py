@@ -30,23 +30,40 @@ class AfterImport:
             self._finding = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        loader, original = spec.loader, spec.loader.exec_module
-
-        def exec_module(module):
-            try:
-                original(module)
-            finally:
-                del loader.exec_module  # back to the class's method
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-                self.callback()
-
-        loader.exec_module = exec_module
+        # This spec's loader only: a zip or frozen importer serves many modules with one loader object, so the
+        # shared loader is never modified (the module's own imports go through it unchanged).
+        spec.loader = _ThenCall(spec.loader, self._done)
         return spec
+
+    def _done(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+            self.callback()
 
     def remove(self) -> None:
         if self in sys.meta_path:
             sys.meta_path.remove(self)
+
+
+class _ThenCall:
+    """A loader for one spec: the original loader executes the module, then ``after()`` runs. The module keeps
+    the original loader as its ``__loader__`` and ``__spec__.loader``."""
+
+    def __init__(self, loader, after: Callable[[], None]) -> None:
+        self._loader, self._after = loader, after
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._after()
+
+    def __getattr__(self, name):  # get_source, is_package, resource readers: the original's
+        return getattr(self._loader, name)
 
 
 def when_imported(name: str, callback: Callable[[], None]) -> AfterImport | None:

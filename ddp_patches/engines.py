@@ -25,8 +25,8 @@
 #      the head, outside the forward).
 #   4. FSDP2 / FSDP1: the module lies under a module that ``fully_shard`` (or FSDP1) registered in torch's
 #      composable-state table, or holds FSDP1's flattened parameters. Cached per module.
-#   5. DeepSpeed by its engine: a DeepSpeedEngine built while applied runs the module; its ZeRO stage, read at
-#      call time, names the engine (zero.py).
+#   5. DeepSpeed by its engine: a DeepSpeedEngine built while applied runs the module, or a DeepSpeedEngine's
+#      forward is running (a checkpointed closure); its ZeRO stage, read at call time, names the engine (zero.py).
 #   6. DeepSpeed ZeRO-3 by the process-wide switch: transformers' ``is_deepspeed_zero3_enabled()`` (an
 #      ``HfDeepSpeedConfig`` is alive; no engine needs to run), only where 2-5 found nothing (NOTE [The engine is
 #      the module's owner's]).
@@ -188,7 +188,7 @@ def _detect(module: nn.Module | None) -> str:
     sharded = _sharded_engine(module) if module is not None else None
     if sharded is not None:
         return sharded
-    stage = zero.stage_of(module) if module is not None else None
+    stage = zero.stage_of(module)
     if stage is not None:
         return _of_stage(stage)
     return DEEPSPEED if deepspeed_zero3() else NONE
@@ -283,9 +283,7 @@ def expected_from_environment(environ: dict | None = None) -> tuple[str, str]:
     if deepspeed_zero3():
         return DEEPSPEED, "transformers HfDeepSpeedConfig with ZeRO stage 3"
     if _truthy(env.get("ACCELERATE_USE_DEEPSPEED")):
-        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        return (_of_stage(int(stage)) if str(stage).strip().isdigit() else DEEPSPEED,
-                "ACCELERATE_USE_DEEPSPEED" + (f", ACCELERATE_DEEPSPEED_ZERO_STAGE={stage}" if stage else ""))
+        return _accelerate_deepspeed(env)
     if _truthy(env.get("ACCELERATE_USE_FSDP")):
         version = str(env.get("FSDP_VERSION", "1")).strip()
         return (FSDP2 if version == "2" else FSDP1), f"ACCELERATE_USE_FSDP, FSDP_VERSION={version}"
@@ -293,6 +291,18 @@ def expected_from_environment(environ: dict | None = None) -> tuple[str, str]:
     if world > 1:
         return DDP, f"WORLD_SIZE={world} without FSDP or DeepSpeed variables"
     return NONE, "single process"
+
+
+def _accelerate_deepspeed(env) -> tuple[str, str]:
+    """The stage ``accelerate launch`` passes: ACCELERATE_DEEPSPEED_ZERO_STAGE, else its config file's."""
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is not None and str(stage).strip().isdigit():
+        return _of_stage(int(stage)), f"ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_ZERO_STAGE={stage}"
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    found = zero.stage_of_config(path) if path else None
+    if found is not None:
+        return _of_stage(found), f"ACCELERATE_USE_DEEPSPEED, ZeRO stage {found} in {path}"
+    return DEEPSPEED, "ACCELERATE_USE_DEEPSPEED"
 
 
 def expected_from_args(args: Any) -> tuple[str, str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import logging
@@ -17,7 +18,7 @@ from ._registry import REGISTRY
 logger = logging.getLogger("ddp_patches")
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
-TARGET = f"{ENGINE_MODULE}.DeepSpeedEngine.__init__"
+TARGETS = (f"{ENGINE_MODULE}.DeepSpeedEngine.__init__", f"{ENGINE_MODULE}.DeepSpeedEngine.forward")
 
 # NOTE [Reentrant checkpoints under ZeRO-1/2]
 # ZeRO stage 2, and stage 1 with overlap_comm, reduce a parameter's gradient from a hook that runs after its
@@ -30,7 +31,8 @@ TARGET = f"{ENGINE_MODULE}.DeepSpeedEngine.__init__"
 # after backward and trains either way; the swap keeps one rule per stage). Stage 3 keeps reentrant checkpoints
 # (NOTE [Engines]); stage 0 averages after backward with no per-parameter hook, so the user's choice is kept.
 # DeepSpeed marks no running forward, so the modules an engine runs are recorded when it is built (its
-# constructor, patched when deepspeed.runtime.engine is imported) and the stage is read from the live engine.
+# constructor, patched when deepspeed.runtime.engine is imported), its forward marks it as running (for a
+# checkpointed closure, which names no module), and the stage is read from the live engine.
 # Proven by tests/test_zero.py (unpatched: the assert; patched: final weights equal to the same config without
 # checkpointing).
 _owner: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -45,12 +47,21 @@ def own(engine: Any) -> None:
     ref = weakref.ref(engine)
     for m in module.modules():
         _owner[m] = ref
+    from . import tiled_mlp
+
+    tiled_mlp.discover(module)  # no-op unless apply(tiled_mlp=True), as at DDP construction
 
 
-def stage_of(module: nn.Module) -> int | None:
-    """The ZeRO stage of the live DeepSpeed engine that runs ``module``; None when no recorded engine runs it."""
-    ref = _owner.get(module)
+_running: list[weakref.ref] = []  # engines whose forward is running now, innermost last
+
+
+def stage_of(module: nn.Module | None) -> int | None:
+    """The ZeRO stage of the live DeepSpeed engine that runs ``module`` (recorded at the engine's construction),
+    else of the engine whose forward is running (a checkpointed closure has no module); None when neither."""
+    ref = _owner.get(module) if module is not None else None
     engine = ref() if ref is not None else None
+    if engine is None and _running:
+        engine = _running[-1]()
     if engine is None:
         return None
     try:
@@ -60,21 +71,34 @@ def stage_of(module: nn.Module) -> int | None:
 
 
 def stage_of_config(config: Any) -> int | None:
-    """``zero_optimization.stage`` of a DeepSpeed config given as a dict or a JSON file path; None if unknown
-    (accelerate and the Trainer pass either)."""
-    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        try:
-            with open(config) as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            return None
+    """``zero_optimization.stage`` of a DeepSpeed config given as a dict, a JSON file path, a JSON string or
+    base64-encoded JSON (what transformers' HfDeepSpeedConfig accepts); None where it cannot be read."""
+    config = _config_dict(config)
     if not isinstance(config, dict):
         return None
     stage = (config.get("zero_optimization") or {}).get("stage", 0)
-    try:
-        return int(stage)
-    except (TypeError, ValueError):
-        return None  # "auto" or a typo: DeepSpeed itself decides
+    if isinstance(stage, bool) or not isinstance(stage, (int, str)) or not str(stage).strip().isdigit():
+        return None  # "auto", a typo: DeepSpeed itself decides
+    return int(stage)
+
+
+def _config_dict(config: Any) -> Any:
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    if not isinstance(config, str):
+        return config
+    if os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+    for decode in (lambda text: text, lambda text: base64.urlsafe_b64decode(text).decode()):
+        try:
+            return json.loads(decode(config))
+        except (ValueError, UnicodeDecodeError):
+            continue
+    return None
 
 
 def _owning_init(original_init):
@@ -84,6 +108,21 @@ def _owning_init(original_init):
         own(self)
 
     return __init__
+
+
+def _marking_forward(original_forward):
+    """The engine is marked as running for the length of its forward, as DDP marks its own
+    (``_active_ddp_module``): a checkpointed closure inside it, which names no module, is the engine's too."""
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        _running.append(weakref.ref(self))
+        try:
+            return original_forward(self, *args, **kwargs)
+        finally:
+            _running.pop()
+
+    return forward
 
 
 def _patch_engine_init() -> None:
@@ -96,6 +135,7 @@ def _patch_engine_init() -> None:
                        "DeepSpeed ZeRO-1/2 models as outside any engine (they step aside there)", ENGINE_MODULE)
         return
     REGISTRY.install(cls, "__init__", _owning_init)
+    REGISTRY.install(cls, "forward", _marking_forward)
 
 
 def install() -> list[str]:
@@ -105,4 +145,4 @@ def install() -> list[str]:
     if finder is not None:
         REGISTRY.add_handle(finder)
         return []
-    return [TARGET]
+    return list(TARGETS)

@@ -7,6 +7,7 @@ every optimizer step.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import tempfile
@@ -65,31 +66,33 @@ def _max_difference(a: dict, b: dict) -> float:
 class SharedBlock(nn.Module):
     """``shared`` runs twice per forward, each time in its own checkpoint (a shared block, a tower run twice)."""
 
-    def __init__(self, checkpoint: str | None) -> None:
+    def __init__(self, checkpoint: str | None, closure: bool = False) -> None:
         super().__init__()
         self.first, self.shared, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
-        self.checkpoint = checkpoint
+        self.checkpoint, self.closure = checkpoint, closure
 
     def block(self, h: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.shared(h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.first(x)
+        # a closure names no module (the pre-4.35 transformers / diffusers ``create_custom_forward`` pattern)
+        block = (lambda t: self.block(t)) if self.closure else self.block
         for _ in range(2):
             if self.checkpoint is None:
-                h = self.block(h)
+                h = block(h)
             else:
-                h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.checkpoint == "reentrant")
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.checkpoint == "reentrant")
         return self.head(h).pow(2).mean()
 
 
 def shared_weight(stage: int, overlap: bool = False, accum: int = 1, checkpoint: str | None = "reentrant",
-                  patched: bool = True, steps: int = 3) -> dict:
+                  patched: bool = True, steps: int = 3, closure: bool = False) -> dict:
     deepspeed = _deepspeed()
     rank = torch.distributed.get_rank()
     with _warnings() as lines, (ddp_patches.patched() if patched else contextlib.nullcontext()):
         torch.manual_seed(0)
-        net = SharedBlock(checkpoint)
+        net = SharedBlock(checkpoint, closure)
         engine, *_ = deepspeed.initialize(model=net, config=_config(stage, overlap, accum),
                                           model_parameters=net.parameters())
         data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
@@ -116,6 +119,17 @@ def test_a_weight_in_two_reentrant_checkpoints_trains_under_zero(pool, stage, ov
         assert _max_difference(after, reference) <= 1e-6
     assert _max_difference(fixed[0], fixed[1]) == 0.0  # the ranks hold one model
     assert any("use_reentrant=True -> False under DeepSpeed ZeRO-1/2" in ln for ln in fixed[0]["log"]), fixed[0]["log"]
+
+
+def test_a_checkpointed_closure_is_the_engine_whose_forward_runs(pool):
+    """A checkpointed lambda names no module: the engine whose forward is running decides, as DDP's forward does."""
+    control = pool.run(shared_weight, stage=2, checkpoint=None, patched=False, closure=True)
+    unpatched = pool.run(shared_weight, stage=2, patched=False, closure=True)
+    fixed = pool.run(shared_weight, stage=2, closure=True)
+    for reference, before, after in zip(control, unpatched, fixed):
+        assert before["error"] is not None and ALREADY_REDUCED in before["error"], before["error"]
+        assert after["error"] is None and after["reentrant_nodes"] == 0
+        assert _max_difference(after, reference) <= 1e-6
 
 
 def test_zero1_without_overlap_trains_either_way_and_the_swap_keeps_parity(pool):
@@ -259,8 +273,12 @@ def test_trainer_with_a_zero2_config_trains_patched(pool):
 
 
 # -- detection, in one process -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("config,stage", [({"zero_optimization": {"stage": 2}}, 2), ({}, 0),
-                                          ({"zero_optimization": {"stage": "auto"}}, None), ("missing.json", None)])
+@pytest.mark.parametrize("config,stage", [
+    ({"zero_optimization": {"stage": 2}}, 2), ({}, 0), ({"zero_optimization": {"stage": "auto"}}, None),
+    ({"zero_optimization": {"stage": True}}, None), ("missing.json", None),
+    ('{"zero_optimization": {"stage": 1}}', 1),  # a JSON string, as HfDeepSpeedConfig takes it
+    (base64.urlsafe_b64encode(b'{"zero_optimization": {"stage": 2}}').decode(), 2),  # and base64-encoded JSON
+])
 def test_the_stage_of_a_config(config, stage):
     assert zero.stage_of_config(config) == stage
 
@@ -279,6 +297,13 @@ def test_accelerate_launch_variables_name_the_stage(stage, engine):
     if stage is not None:
         env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = stage
     assert engines.expected_from_environment(env)[0] == engine
+
+
+def test_accelerate_launch_with_a_config_file_names_its_stage(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "overlap_comm": true}}')
+    env = {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
+    assert engines.expected_from_environment(env)[0] == engines.ZERO12
 
 
 # -- a parameter that gets no gradient on one rank -----------------------------------------------------------------
@@ -349,12 +374,13 @@ from ddp_patches import _registry
 ddp_patches.apply()
 assert "deepspeed" not in sys.modules
 import deepspeed.runtime.engine as engine_module
-init = vars(engine_module.DeepSpeedEngine)["__init__"]
-assert getattr(init, _registry.MARKER, False), "not patched on import"
+for name in ("__init__", "forward"):
+    assert getattr(vars(engine_module.DeepSpeedEngine)[name], _registry.MARKER, False), "not patched on import"
 ddp_patches.revert()
-assert not hasattr(vars(engine_module.DeepSpeedEngine)["__init__"], _registry.MARKER), "not restored"
+for name in ("__init__", "forward"):
+    assert not hasattr(vars(engine_module.DeepSpeedEngine)[name], _registry.MARKER), "not restored"
 ddp_patches.apply()
-assert "deepspeed.runtime.engine.DeepSpeedEngine.__init__" in ddp_patches.apply(offload=True).installed
+assert "deepspeed.runtime.engine.DeepSpeedEngine.forward" in ddp_patches.apply(offload=True).installed
 ddp_patches.revert()
 print("OK")
 '''
