@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 
 import torch
 import torch.distributed as torch_distributed
@@ -57,6 +58,43 @@ _SWAP_LINE = {
 }
 
 
+# NOTE [The swap calls torch's own checkpoint]
+# Training tools replace ``torch.utils.checkpoint.checkpoint`` with a wrapper that forces their own
+# ``use_reentrant`` (ms-swift's trainer mixin does, ignoring the caller's keyword). Calling the module attribute
+# from the swap would then come back here reentrant, forever (RecursionError, measured under ms-swift 4.6 with
+# reentrant checkpointing). So the swap calls torch's own function: found by following ``__wrapped__`` from the
+# attribute to the function defined in torch/utils/checkpoint.py (past such wrappers and torch's dynamo guard,
+# which matters only while compiling, when the swap never runs). If that call still comes back for the same
+# function, something between forces reentrant: the swap steps aside with one WARNING, as unpatched.
+# Proven by tests/test_checkpointing.py::test_a_checkpoint_wrapper_that_forces_reentrant.
+class _Swapping(threading.local):
+    function = None
+
+
+_swapping = _Swapping()
+
+
+def _torch_checkpoint():
+    """torch's own ``checkpoint`` function, under whatever wrappers replaced the module attribute."""
+    found = attribute = torch_checkpoint.checkpoint
+    for _ in range(16):
+        code = getattr(found, "__code__", None)
+        if code is not None and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            return found
+        found = getattr(found, "__wrapped__", None)
+        if found is None:
+            break
+    return attribute
+
+
+def _say_forced_reentrant() -> None:
+    log_rank0_once("checkpoint-forced-reentrant", logging.WARNING,
+                   "ddp_patches: the checkpoint swap steps aside: a checkpoint(use_reentrant=False) call came back "
+                   "as reentrant (torch.utils.checkpoint.checkpoint is %s, which forces use_reentrant); pass "
+                   "use_reentrant=False to the tool that installed it. NOTE [The swap calls torch's own checkpoint] "
+                   "in ddp_patches/checkpointing.py", getattr(torch_checkpoint.checkpoint, "__module__", "?"))
+
+
 def _make_non_reentrant_under_ddp(original_cls: type) -> type:
     """Build the stand-in for ``CheckpointFunction``; it subclasses the original so type checks still hold."""
 
@@ -75,9 +113,14 @@ def _make_non_reentrant_under_ddp(original_cls: type) -> type:
                            torch_distributed.get_world_size())
             if offload.outer_save_on_cpu():  # NOTE [One offload at a time]
                 offload.say_outer_offload_acts()
-            return torch_checkpoint.checkpoint(
-                function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
-            )
+            if _swapping.function is function:  # NOTE [The swap calls torch's own checkpoint]
+                _say_forced_reentrant()
+                return original_cls.apply(function, preserve_rng_state, *args)
+            outer, _swapping.function = _swapping.function, function
+            try:
+                return _torch_checkpoint()(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+            finally:
+                _swapping.function = outer
 
     CheckpointFunction.__qualname__ = original_cls.__qualname__
     CheckpointFunction.__module__ = original_cls.__module__

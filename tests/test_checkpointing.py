@@ -100,3 +100,84 @@ def single_rank_pool():
 
 def test_bit_identical_under_torchrun_with_one_process(single_rank_pool):
     assert single_rank_pool.run(world_size_one_case) == [True]
+
+
+# -- a tool's wrapper around torch.utils.checkpoint.checkpoint that forces use_reentrant (ms-swift's trainer) -----
+class _SharedTwice(torch.nn.Module):
+    """One Linear in two reentrant checkpoints: "marked as ready twice" under DDP unless the swap acts."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.shared, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as torch_checkpoint
+
+        x = self.first(x)  # the checkpoints' input requires grad: their parameters get gradients either way
+        for _ in range(2):  # looked up at call time, as transformers' and the tools' code does
+            x = torch_checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), x)
+        return self.head(x)
+
+
+@contextlib.contextmanager
+def _forcing_reentrant(keeps_wrapped: bool):
+    """ms-swift's ``_fix_gradient_checkpointing``: the module attribute replaced by a wrapper that ignores the
+    caller's use_reentrant (``keeps_wrapped``: made with functools.wraps, as ms-swift does, so __wrapped__ leads to
+    torch's function)."""
+    import functools
+    import torch.utils.checkpoint as torch_checkpoint
+
+    old = torch_checkpoint.checkpoint
+
+    def forced(*args, use_reentrant=None, **kwargs):
+        return old(*args, use_reentrant=True, **kwargs)
+
+    torch_checkpoint.checkpoint = functools.wraps(old)(forced) if keeps_wrapped else forced
+    try:
+        yield
+    finally:
+        torch_checkpoint.checkpoint = old
+
+
+def forced_reentrant_case(patched: bool, keeps_wrapped: bool = True, before_apply: bool = False) -> dict:
+    import logging
+
+    from ddp_patches.verify.parity import run_parity
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ddp_patches").addHandler(handler)
+    first, second = (_forcing_reentrant(keeps_wrapped), ddp_patches.patched() if patched else contextlib.nullcontext())
+    if not before_apply:
+        first, second = second, first
+    try:
+        with first, second:
+            batch = lambda rank, it, micro: torch.randn(4, 8, dtype=torch.float64,  # noqa: E731
+                                                        generator=torch.Generator().manual_seed(rank * 10 + it))
+            result = run_parity(lambda: _SharedTwice().double(), batch, torch.cat,
+                                lambda model, x: model(x).pow(2).mean(), iters=2)
+        return {"error": None, "max_rel_error": result.max_rel_error, "log": lines}
+    except RuntimeError as e:
+        return {"error": str(e).splitlines()[0], "log": lines}
+    finally:
+        logging.getLogger("ddp_patches").removeHandler(handler)
+
+
+@pytest.mark.parametrize("before_apply", [False, True], ids=["installed-after-apply", "installed-before-apply"])
+def test_a_checkpoint_wrapper_that_forces_reentrant(pool, before_apply):
+    """NOTE [The swap calls torch's own checkpoint]: unpatched the wrapper's reentrant checkpoints fail under DDP;
+    patched the swap reaches torch's own function through __wrapped__ and trains with parity."""
+    for r in pool.run(forced_reentrant_case, patched=False, before_apply=before_apply):
+        assert r["error"] is not None and "ready only once" in r["error"], r
+    for r in pool.run(forced_reentrant_case, patched=True, before_apply=before_apply):
+        assert r["error"] is None and r["max_rel_error"] <= 1e-12, r
+
+
+def test_a_checkpoint_wrapper_without_wrapped_makes_the_swap_step_aside_loudly(pool):
+    """No __wrapped__ leads past it: the call comes back reentrant; the swap steps aside with one WARNING and the
+    run fails as it does unpatched, instead of recursing."""
+    results = pool.run(forced_reentrant_case, patched=True, keeps_wrapped=False, before_apply=True)
+    for r in results:
+        assert r["error"] is not None and "ready only once" in r["error"], r
+    assert any("came back as reentrant" in ln for ln in results[0]["log"]), results[0]["log"]
