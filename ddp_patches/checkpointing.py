@@ -60,39 +60,56 @@ _SWAP_LINE = {
 
 # NOTE [The swap calls torch's own checkpoint]
 # Training tools replace ``torch.utils.checkpoint.checkpoint`` with a wrapper that forces their own
-# ``use_reentrant`` (ms-swift's trainer mixin does, ignoring the caller's keyword). Calling the module attribute
-# from the swap would then come back here reentrant, forever (RecursionError, measured under ms-swift 4.6 with
-# reentrant checkpointing). So the swap calls torch's own function: found by following ``__wrapped__`` from the
-# attribute to the function defined in torch/utils/checkpoint.py (past such wrappers and torch's dynamo guard,
-# which matters only while compiling, when the swap never runs). If that call still comes back for the same
-# function, something between forces reentrant: the swap steps aside with one WARNING, as unpatched.
-# Proven by tests/test_checkpointing.py::test_a_checkpoint_wrapper_that_forces_reentrant.
+# ``use_reentrant`` (ms-swift's trainer mixin does, ignoring the caller's keyword). The swap's call through the
+# module attribute then comes back here, reentrant, before the checkpointed function has run; calling the
+# attribute again recursed forever (RecursionError, measured under ms-swift 4.6). So the swap calls the attribute
+# first (a wrapper that adds behaviour keeps it) with the function wrapped to clear a per-thread "pending" flag
+# when it starts; a call that arrives while the flag is set came back through such a wrapper, and goes to
+# torch's own function instead, found by following ``__wrapped__`` to ``checkpoint`` in torch/utils/checkpoint.py
+# (past torch's dynamo guard too, which matters only while compiling, when the swap never runs). A function that
+# checkpoints itself has started, so its inner calls swap as usual. With no ``__wrapped__`` to follow, the swap
+# steps aside with one WARNING and the run goes on as unpatched. Proven by tests/test_checkpointing.py
+# (test_a_checkpoint_wrapper_that_forces_reentrant and the tests after it).
 class _Swapping(threading.local):
-    function = None
+    pending = False  # the swap called checkpoint() and the checkpointed function has not started yet
 
 
 _swapping = _Swapping()
 
 
+def _started(function):
+    """``function``, clearing the pending flag when it starts (``__wrapped__``: engines.module_of sees through it)."""
+
+    def run(*args, **kwargs):
+        _swapping.pending = False
+        return function(*args, **kwargs)
+
+    run.__wrapped__ = function
+    return run
+
+
 def _torch_checkpoint():
-    """torch's own ``checkpoint`` function, under whatever wrappers replaced the module attribute."""
-    found = attribute = torch_checkpoint.checkpoint
+    """torch's own ``checkpoint`` function beneath whatever wrappers replaced the module attribute, or None."""
+    found = torch_checkpoint.checkpoint
     for _ in range(16):
         code = getattr(found, "__code__", None)
-        if code is not None and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+        if (code is not None and getattr(found, "__name__", "") == "checkpoint"
+                and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")):
             return found
         found = getattr(found, "__wrapped__", None)
         if found is None:
-            break
-    return attribute
+            return None
+    return None
 
 
 def _say_forced_reentrant() -> None:
+    wrapper = getattr(getattr(torch_checkpoint.checkpoint, "__code__", None), "co_filename", "?")
     log_rank0_once("checkpoint-forced-reentrant", logging.WARNING,
                    "ddp_patches: the checkpoint swap steps aside: a checkpoint(use_reentrant=False) call came back "
-                   "as reentrant (torch.utils.checkpoint.checkpoint is %s, which forces use_reentrant); pass "
-                   "use_reentrant=False to the tool that installed it. NOTE [The swap calls torch's own checkpoint] "
-                   "in ddp_patches/checkpointing.py", getattr(torch_checkpoint.checkpoint, "__module__", "?"))
+                   "as reentrant through torch.utils.checkpoint.checkpoint, which a wrapper defined in %s replaced "
+                   "and which hides torch's own function (no __wrapped__); pass use_reentrant=False to the tool "
+                   "that installed it. NOTE [The swap calls torch's own checkpoint] in ddp_patches/checkpointing.py",
+                   wrapper)
 
 
 def _make_non_reentrant_under_ddp(original_cls: type) -> type:
@@ -109,18 +126,22 @@ def _make_non_reentrant_under_ddp(original_cls: type) -> type:
             if not engines.acts("checkpointing", engine):
                 engines.step_aside("checkpointing", engine)
                 return original_cls.apply(function, preserve_rng_state, *args)
+            call = torch_checkpoint.checkpoint  # with whatever a tool wrapped around it
+            if _swapping.pending:  # NOTE [The swap calls torch's own checkpoint]: it came back before fn ran
+                _swapping.pending = False
+                call = _torch_checkpoint()
+                if call is None:
+                    _say_forced_reentrant()
+                    return original_cls.apply(function, preserve_rng_state, *args)
             log_rank0_once(f"checkpoint-swap-{engine}", logging.WARNING, _SWAP_LINE[engine], engine,
                            torch_distributed.get_world_size())
             if offload.outer_save_on_cpu():  # NOTE [One offload at a time]
                 offload.say_outer_offload_acts()
-            if _swapping.function is function:  # NOTE [The swap calls torch's own checkpoint]
-                _say_forced_reentrant()
-                return original_cls.apply(function, preserve_rng_state, *args)
-            outer, _swapping.function = _swapping.function, function
+            before, _swapping.pending = _swapping.pending, True
             try:
-                return _torch_checkpoint()(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+                return call(_started(function), *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
             finally:
-                _swapping.function = outer
+                _swapping.pending = before
 
     CheckpointFunction.__qualname__ = original_cls.__qualname__
     CheckpointFunction.__module__ = original_cls.__module__

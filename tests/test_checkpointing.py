@@ -115,31 +115,55 @@ class _SharedTwice(torch.nn.Module):
 
         x = self.first(x)  # the checkpoints' input requires grad: their parameters get gradients either way
         for _ in range(2):  # looked up at call time, as transformers' and the tools' code does
-            x = torch_checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), x)
+            x = torch_checkpoint.checkpoint(lambda t: torch.tanh(self.shared(t)), x, use_reentrant=True)
         return self.head(x)
 
 
 @contextlib.contextmanager
-def _forcing_reentrant(keeps_wrapped: bool):
-    """ms-swift's ``_fix_gradient_checkpointing``: the module attribute replaced by a wrapper that ignores the
-    caller's use_reentrant (``keeps_wrapped``: made with functools.wraps, as ms-swift does, so __wrapped__ leads to
-    torch's function)."""
+def _wrapping_checkpoint(kind: str, keeps_wrapped: bool = True):
+    """The module attribute replaced by a tool's wrapper (``keeps_wrapped``: made with functools.wraps, as ms-swift
+    does, so __wrapped__ leads to torch's function). ``kind``: "forces" ignores the caller's use_reentrant (ms-swift's
+    ``_fix_gradient_checkpointing``); "forces-per-call" also wraps the function anew on each call; "counts" adds
+    behaviour (a call counter) and passes every argument on."""
     import functools
     import torch.utils.checkpoint as torch_checkpoint
 
-    old = torch_checkpoint.checkpoint
+    old, calls = torch_checkpoint.checkpoint, []
 
-    def forced(*args, use_reentrant=None, **kwargs):
-        return old(*args, use_reentrant=True, **kwargs)
+    def wrapper(function, *args, use_reentrant=None, **kwargs):
+        calls.append(use_reentrant)
+        if kind == "counts":
+            return old(function, *args, use_reentrant=use_reentrant, **kwargs)
+        if kind == "forces-per-call":
+            return old(lambda *a: function(*a), *args, use_reentrant=True, **kwargs)
+        return old(function, *args, use_reentrant=True, **kwargs)
 
-    torch_checkpoint.checkpoint = functools.wraps(old)(forced) if keeps_wrapped else forced
+    torch_checkpoint.checkpoint = functools.wraps(old)(wrapper) if keeps_wrapped else wrapper
     try:
-        yield
+        yield calls
     finally:
         torch_checkpoint.checkpoint = old
 
 
-def forced_reentrant_case(patched: bool, keeps_wrapped: bool = True, before_apply: bool = False) -> dict:
+class _Recursive(torch.nn.Module):
+    """A block that checkpoints itself once more inside (depth 2): one Linear in nested reentrant checkpoints."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.shared, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def block(self, x, depth):
+        x = torch.tanh(self.shared(x))
+        if depth:
+            x = checkpoint(self.block, x, depth - 1, use_reentrant=True)
+        return x
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, self.first(x), 1, use_reentrant=True))
+
+
+def wrapper_case(patched: bool, kind: str = "forces", keeps_wrapped: bool = True, before_apply: bool = False,
+                 model: str = "shared") -> dict:
     import logging
 
     from ddp_patches.verify.parity import run_parity
@@ -148,36 +172,60 @@ def forced_reentrant_case(patched: bool, keeps_wrapped: bool = True, before_appl
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("ddp_patches").addHandler(handler)
-    first, second = (_forcing_reentrant(keeps_wrapped), ddp_patches.patched() if patched else contextlib.nullcontext())
-    if not before_apply:
-        first, second = second, first
+    wrapping = _wrapping_checkpoint(kind, keeps_wrapped) if kind else contextlib.nullcontext([])
+    patches = ddp_patches.patched() if patched else contextlib.nullcontext()
+    first, second = (wrapping, patches) if before_apply else (patches, wrapping)
+    build = {"shared": _SharedTwice, "recursive": _Recursive}[model]
     try:
-        with first, second:
+        with first as a, second as b:
+            calls = a if before_apply else b
             batch = lambda rank, it, micro: torch.randn(4, 8, dtype=torch.float64,  # noqa: E731
                                                         generator=torch.Generator().manual_seed(rank * 10 + it))
-            result = run_parity(lambda: _SharedTwice().double(), batch, torch.cat,
-                                lambda model, x: model(x).pow(2).mean(), iters=2)
-        return {"error": None, "max_rel_error": result.max_rel_error, "log": lines}
+            result = run_parity(lambda: build().double(), batch, torch.cat,
+                                lambda m, x: m(x).pow(2).mean(), iters=2)
+        return {"error": None, "max_rel_error": result.max_rel_error, "calls": list(calls), "log": lines}
     except RuntimeError as e:
         return {"error": str(e).splitlines()[0], "log": lines}
     finally:
         logging.getLogger("ddp_patches").removeHandler(handler)
 
 
+CAME_BACK = "came back as reentrant"
+
+
+@pytest.mark.parametrize("kind", ["forces", "forces-per-call"])
 @pytest.mark.parametrize("before_apply", [False, True], ids=["installed-after-apply", "installed-before-apply"])
-def test_a_checkpoint_wrapper_that_forces_reentrant(pool, before_apply):
+def test_a_checkpoint_wrapper_that_forces_reentrant(pool, before_apply, kind):
     """NOTE [The swap calls torch's own checkpoint]: unpatched the wrapper's reentrant checkpoints fail under DDP;
-    patched the swap reaches torch's own function through __wrapped__ and trains with parity."""
-    for r in pool.run(forced_reentrant_case, patched=False, before_apply=before_apply):
+    patched the call that comes back goes to torch's own function (through __wrapped__): parity, no recursion."""
+    for r in pool.run(wrapper_case, patched=False, kind=kind, before_apply=before_apply):
         assert r["error"] is not None and "ready only once" in r["error"], r
-    for r in pool.run(forced_reentrant_case, patched=True, before_apply=before_apply):
+    for r in pool.run(wrapper_case, patched=True, kind=kind, before_apply=before_apply):
         assert r["error"] is None and r["max_rel_error"] <= 1e-12, r
+        assert not any(CAME_BACK in ln for ln in r["log"]), r["log"]
 
 
 def test_a_checkpoint_wrapper_without_wrapped_makes_the_swap_step_aside_loudly(pool):
-    """No __wrapped__ leads past it: the call comes back reentrant; the swap steps aside with one WARNING and the
-    run fails as it does unpatched, instead of recursing."""
-    results = pool.run(forced_reentrant_case, patched=True, keeps_wrapped=False, before_apply=True)
+    """No __wrapped__ leads past it: the swap steps aside with one WARNING and the run fails as it does unpatched,
+    instead of recursing."""
+    results = pool.run(wrapper_case, patched=True, keeps_wrapped=False)
     for r in results:
         assert r["error"] is not None and "ready only once" in r["error"], r
-    assert any("came back as reentrant" in ln for ln in results[0]["log"]), results[0]["log"]
+    assert any(CAME_BACK in ln for ln in results[0]["log"]), results[0]["log"]
+
+
+def test_a_wrapper_that_adds_behaviour_still_sees_the_swapped_call(pool):
+    """A wrapper that passes use_reentrant on is called by the swap too (as before the guard): True from the
+    caller, then False from the swap, for each of the two checkpoints and each forward."""
+    for r in pool.run(wrapper_case, patched=True, kind="counts"):
+        assert r["error"] is None and r["max_rel_error"] <= 1e-12, r
+        assert r["calls"][:4] == [True, False, True, False], r["calls"]
+
+
+def test_a_function_that_checkpoints_itself_swaps_at_every_depth(pool):
+    """The nested call comes after the function started: it is the user's own checkpoint, swapped as usual."""
+    for r in pool.run(wrapper_case, patched=False, kind="", model="recursive"):
+        assert r["error"] is not None, r
+    for r in pool.run(wrapper_case, patched=True, kind="", model="recursive"):
+        assert r["error"] is None and r["max_rel_error"] <= 1e-12, r
+        assert not any(CAME_BACK in ln for ln in r["log"]), r["log"]
