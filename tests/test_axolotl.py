@@ -29,24 +29,18 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE"
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """A tiny Qwen2 with its tokenizer and a completion dataset, written locally (nothing is downloaded)."""
-    import random
-
-    from ddp_patches.verify.clients import WORDS, build_model_dir
+    """A tiny Qwen2 with its tokenizer and text datasets, written locally (nothing is downloaded)."""
+    from ddp_patches.verify.clients import build_assets
 
     root = tmp_path_factory.mktemp("axolotl")
-    build_model_dir(str(root / "model"))
-    rng = random.Random(0)
-    with open(root / "text.jsonl", "w", encoding="utf-8") as f:
-        for _ in range(32):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(12))}) + "\n")
+    build_assets(str(root))
     return root
 
 
 def _config(root, **extra) -> dict:
     config = {
         "base_model": str(root / "model"), "plugins": [PLUGIN],
-        "datasets": [{"path": str(root / "text.jsonl"), "type": "completion", "ds_type": "json"}],
+        "datasets": [{"path": str(root / "data" / "sft" / "train.jsonl"), "type": "completion", "ds_type": "json"}],
         "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True,
         # axolotl's LoRA kernels are Triton (CUDA only)
         "lora_mlp_kernel": False, "lora_qkv_kernel": False, "lora_o_kernel": False,

@@ -31,18 +31,10 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE"
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny Qwen2 with its tokenizer, a chat dataset and the plugin file, written locally (no download)."""
-    import random
-
-    from ddp_patches.verify.clients import WORDS, build_model_dir
+    from ddp_patches.verify.clients import build_assets
 
     root = tmp_path_factory.mktemp("swift")
-    build_model_dir(str(root / "model"))
-    rng = random.Random(0)
-    with open(root / "data.jsonl", "w", encoding="utf-8") as f:
-        for _ in range(32):
-            turns = [{"role": role, "content": " ".join(rng.choice(WORDS) for _ in range(6))}
-                     for role in ("user", "assistant")]
-            f.write(json.dumps({"messages": turns}) + "\n")
+    build_assets(str(root))
     (root / "plugin.py").write_text(PLUGIN)
     return root
 
@@ -52,7 +44,7 @@ def _sft(root, tmp_path, reentrant: bool, plugin: bool) -> tuple[int, str, list[
     swift = os.path.join(os.path.dirname(sys.executable), "swift")  # this venv's, beside its python
     swift = swift if os.path.exists(swift) else shutil.which("swift")
     cmd = [swift, "sft", "--model", str(root / "model"), "--model_type", "qwen2", "--template", "chatml",
-           "--dataset", str(root / "data.jsonl"), "--tuner_type", "lora", "--max_steps", "3",
+           "--dataset", str(root / "data" / "chat" / "train.jsonl"), "--tuner_type", "lora", "--max_steps", "3",
            "--per_device_train_batch_size", "2", "--logging_steps", "1", "--gradient_checkpointing", "true",
            "--gradient_checkpointing_kwargs", json.dumps({"use_reentrant": reentrant}),
            "--output_dir", str(tmp_path / "out"), "--save_strategy", "no", "--report_to", "none", "--use_hf", "true",

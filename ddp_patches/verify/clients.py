@@ -74,8 +74,10 @@ def build_datasets(root: str, rows: int = 32, seed: int = 0) -> dict[str, str]:
     dpo = [{"prompt": _sentence(rng, 4), "chosen": _sentence(rng, 5), "rejected": _sentence(rng, 3)}
            for _ in range(rows)]
     grpo = [{"prompt": _sentence(rng, rng.randint(3, 6))} for _ in range(rows)]
+    chat = [{"messages": [{"role": "user", "content": _sentence(rng, 6)},
+                          {"role": "assistant", "content": _sentence(rng, 6)}]} for _ in range(rows)]
     return {name: _write_jsonl(os.path.join(root, name), data)
-            for name, data in (("sft", sft), ("dpo", dpo), ("grpo", grpo))}
+            for name, data in (("sft", sft), ("dpo", dpo), ("grpo", grpo), ("chat", chat))}
 
 
 def build_assets(root: str) -> dict[str, str]:
