@@ -164,30 +164,24 @@ class _Recursive(torch.nn.Module):
 
 def wrapper_case(patched: bool, kind: str = "forces", keeps_wrapped: bool = True, before_apply: bool = False,
                  model: str = "shared") -> dict:
-    import logging
-
     from ddp_patches.verify.parity import run_parity
+    from tests.test_engines import _warnings
 
-    lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("ddp_patches").addHandler(handler)
     wrapping = _wrapping_checkpoint(kind, keeps_wrapped) if kind else contextlib.nullcontext([])
     patches = ddp_patches.patched() if patched else contextlib.nullcontext()
     first, second = (wrapping, patches) if before_apply else (patches, wrapping)
     build = {"shared": _SharedTwice, "recursive": _Recursive}[model]
-    try:
-        with first as a, second as b:
-            calls = a if before_apply else b
-            batch = lambda rank, it, micro: torch.randn(4, 8, dtype=torch.float64,  # noqa: E731
-                                                        generator=torch.Generator().manual_seed(rank * 10 + it))
-            result = run_parity(lambda: build().double(), batch, torch.cat,
-                                lambda m, x: m(x).pow(2).mean(), iters=2)
-        return {"error": None, "max_rel_error": result.max_rel_error, "calls": list(calls), "log": lines}
-    except RuntimeError as e:
-        return {"error": str(e).splitlines()[0], "log": lines}
-    finally:
-        logging.getLogger("ddp_patches").removeHandler(handler)
+    with _warnings() as lines:
+        try:
+            with first as a, second as b:
+                calls = a if before_apply else b
+                batch = lambda rank, it, micro: torch.randn(4, 8, dtype=torch.float64,  # noqa: E731
+                                                            generator=torch.Generator().manual_seed(rank * 10 + it))
+                result = run_parity(lambda: build().double(), batch, torch.cat,
+                                    lambda m, x: m(x).pow(2).mean(), iters=2)
+            return {"error": None, "max_rel_error": result.max_rel_error, "calls": list(calls), "log": lines}
+        except RuntimeError as e:
+            return {"error": str(e).splitlines()[0], "log": lines}
 
 
 CAME_BACK = "came back as reentrant"
