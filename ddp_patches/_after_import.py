@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Callable
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at start-up
+
+if TYPE_CHECKING:
+    from typing import Callable
 
 
 class AfterImport:

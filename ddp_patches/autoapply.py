@@ -24,25 +24,30 @@ Options (each also an environment variable, which is what the child processes re
     --log-level LEVEL                   DDP_PATCHES_LOG_LEVEL (show the library's lines at LEVEL, e.g. INFO)
 
 ``DDP_PATCHES_APPLY=1`` switches the start-up hook on; without it, a leftover PYTHONPATH entry does nothing.
+``ddp-patches-run --print-env [sh|dotenv] [options]`` prints those variables instead of running a command, for a
+launch that no command prefix reaches: NOTE [One switch for a whole launch].
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
-import shutil
 import sys
 import types
-from typing import Callable
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at start-up
+
 from ._after_import import AfterImport
+
+if TYPE_CHECKING:
+    import argparse
+    from typing import Callable
+
+# Only os, sys and types at module level: this module loads at start-up in every process of a launch, also in
+# those that never import torch; argparse, logging, shlex and shutil load where they are used.
 
 ENABLE = "DDP_PATCHES_APPLY"
 LOG_LEVEL = "DDP_PATCHES_LOG_LEVEL"
 PREFIX = "DDP_PATCHES_"
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-
-logger = logging.getLogger("ddp_patches")
 
 
 def _bool(text: str) -> bool:
@@ -225,6 +230,8 @@ def settle() -> None:
 
 
 def _show_logs(level: str) -> None:
+    import logging
+
     lib = logging.getLogger("ddp_patches")
     lib.setLevel(level.upper())
     if not lib.handlers:
@@ -259,6 +266,8 @@ def check_environment(environ: dict | None = None) -> dict:
 
 
 def _is_level(text: str) -> bool:
+    import logging
+
     return isinstance(logging.getLevelName(text.strip().upper()), int)
 
 
@@ -266,7 +275,8 @@ def environment(options: dict, log_level: str | None, environ: dict | None = Non
     """The environment for the command: bootstrap first on PYTHONPATH, the options as variables."""
     env = dict(os.environ if environ is None else environ)
     path = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + path if path else "")
+    if path.split(os.pathsep)[0] != BOOTSTRAP_DIR:  # already first (a nested run, an exported --print-env): keep
+        env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + path if path else "")
     env[ENABLE] = "1"
     for name, value in options.items():
         env[env_name(name)] = "auto" if value is None else str(value).lower()
@@ -275,7 +285,30 @@ def environment(options: dict, log_level: str | None, environ: dict | None = Non
     return env
 
 
+# NOTE [One switch for a whole launch]
+# Some launches start their Python processes where no command prefix reaches: an sbatch script whose ``srun`` starts
+# the ranks, a tool that calls torchrun itself on every node, DeepSpeed's multi-node launcher (pdsh over ssh). What
+# ddp-patches-run gives its command is only environment (``environment()``), so ``--print-env`` prints it, to be
+# exported once for the whole job: ``eval "$(ddp-patches-run --print-env)"``. Unset, nothing runs at start-up (no
+# .pth file, nothing written into site-packages). DeepSpeed's pdsh runner forwards only variables named in
+# ``.deepspeed_env`` (or prefixed PYTHON, MV2, UCX...): PYTHONPATH would arrive without DDP_PATCHES_APPLY and the
+# hook would stay silent, so ``--print-env dotenv`` writes that file's KEY=VALUE form. Tested in
+# tests/test_autoapply.py (test_print_env_switches_every_process_of_a_launch).
+def print_env(options: dict, log_level: str | None, form: str, environ: dict | None = None) -> str:
+    """The variables ``environment()`` sets or changes, as shell exports (``sh``) or KEY=VALUE lines (``dotenv``)."""
+    before = dict(os.environ if environ is None else environ)
+    after = environment(options, log_level, before)
+    import shlex
+
+    changed = [(k, v) for k, v in after.items() if before.get(k) != v]
+    if form == "dotenv":
+        return "".join(f"{k}={v}\n" for k, v in changed)
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in changed)
+
+
 def _parser() -> argparse.ArgumentParser:
+    import argparse
+
     parser = argparse.ArgumentParser(
         prog="ddp-patches-run",
         description="Run a command with ddp_patches.apply() in every Python process it starts.",
@@ -285,6 +318,9 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
                             help=f"apply({name}=...); also {env_name(name)}")
     parser.add_argument("--log-level", help="show ddp_patches log lines from this level (e.g. INFO)")
+    parser.add_argument("--print-env", nargs="?", const="sh", choices=("sh", "dotenv"),
+                        help="print the variables instead of running a command: `export K=V` lines for "
+                             "eval \"$(ddp-patches-run --print-env)\" (sh), or K=V lines for .deepspeed_env (dotenv)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, e.g. torchrun ...")
     return parser
 
@@ -293,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
+    if args.print_env and command:
+        parser.error(f"--print-env prints the variables and runs nothing; found a command too: {command[0]!r}")
+    if not command and not args.print_env:
         parser.error("no command given: expected e.g. `ddp-patches-run torchrun --nproc_per_node=2 train.py`")
     given = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     try:
@@ -309,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         check_environment(inherited)
     except ValueError as e:
         parser.error(str(e))
+    if args.print_env:
+        sys.stdout.write(print_env(options, args.log_level, args.print_env))
+        return 0
+    import shutil
+
     executable = shutil.which(command[0])
     if executable is None:
         parser.error(f"command not found: {command[0]!r}")

@@ -89,6 +89,26 @@ def test_every_torchrun_rank_is_patched(tmp_path):
     assert all("(False, False) True" in line for line in probes(out.stdout))
 
 
+def test_print_env_switches_every_process_of_a_launch(tmp_path):
+    """NOTE [One switch for a whole launch]: the variables exported once (as an sbatch script would) reach every
+    rank a launcher starts with no command prefix; printed twice, the path is not doubled; dotenv is KEY=VALUE."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    cli = f"{sys.executable} -m ddp_patches.autoapply"
+    shell = (f'eval "$({cli} --print-env --offload false)"; eval "$({cli} --print-env --offload false)"; '
+             f'echo "PATHS $PYTHONPATH"; torchrun --nproc_per_node=2 --master_port={_free_port()} {script}')
+    out = run(["bash", "-c", shell], env={"PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"PATHS {autoapply.BOOTSTRAP_DIR}{os.pathsep}{tmp_path}\n" in out.stdout, out.stdout
+    assert [line.split()[1] for line in probes(out.stdout)] == ["0", "1"], (out.stdout, out.stderr[-2000:])
+    assert all("(False, False) True" in line and "'offload': False" in line for line in probes(out.stdout)), out.stdout
+    dotenv = run([sys.executable, "-m", "ddp_patches.autoapply", "--print-env", "dotenv"],
+                 env={"PYTHONPATH": ""}).stdout.splitlines()
+    assert dotenv == [f"PYTHONPATH={autoapply.BOOTSTRAP_DIR}", "DDP_PATCHES_APPLY=1"], dotenv
+    both = run([sys.executable, "-m", "ddp_patches.autoapply", "--print-env", "sh", "torchrun", "x.py"])
+    assert both.returncode == 2 and "runs nothing; found a command too: 'torchrun'" in both.stderr
+
+
 def test_console_script_is_installed():
     import shutil
 

@@ -52,7 +52,8 @@ def _chain_next_sitecustomize() -> None:
 
 
 try:
-    _library = _autoapply()
+    # Switched off (a leftover PYTHONPATH entry): nothing is imported. The same test as autoapply.bootstrap().
+    _library = _autoapply() if os.environ.get("DDP_PATCHES_APPLY") == "1" else None
     if _library is not None:
         _library.bootstrap()
 finally:
