@@ -1,4 +1,8 @@
-"""``python -m ddp_patches doctor [--json] [--tiled-mlp]``: versions, launch, what apply() changes, findings."""
+"""``python -m ddp_patches doctor [--json] [--tiled-mlp]``: versions, launch, what apply() changes, findings.
+
+``python -m ddp_patches plan --config PATH [--gpu-memory 80GiB] [--lora-r 16] [--seq N] [--json]``: the longest
+sequence each setup trains on one GPU, simulated (ddp_patches/plan.py).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,21 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="report versions, world size, what apply() changes, risky settings")
     doctor.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     doctor.add_argument("--tiled-mlp", action="store_true", help="include the tiled MLP in what apply() changes")
+    plan = sub.add_parser("plan", help="simulate the longest sequence each setup trains on one GPU (no GPU needed)")
+    plan.add_argument("--config", required=True, help="a local config.json or model folder (nothing is downloaded)")
+    plan.add_argument("--gpu-memory", default="80GiB", help="one GPU's memory, e.g. 80GiB, 141GB (default 80GiB)")
+    plan.add_argument("--lora-r", type=int, default=16, help="LoRA rank on every linear layer (default 16)")
+    plan.add_argument("--seq", type=int, help="also say whether this many tokens fit, per setup")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from . import plan as planner
+
+        try:
+            planner.parse_bytes(args.gpu_memory)
+        except ValueError as e:
+            parser.error(f"--gpu-memory: {e}")
+        return planner.main(args)
 
     from .doctor import diagnose
 

@@ -1,0 +1,131 @@
+"""The memory simulator (fake tensors, real model classes, the library's tiled MLP) and ``python -m ddp_patches plan``.
+
+Calibration: the simulator's peaks beside the active peaks measured on an H100 (docs/gpu-proof.json), within 10%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddp_patches import memsim, plan
+from tests.harness import ROOT
+
+GPU_PROOF = os.path.join(ROOT, "docs", "gpu-proof.json")
+LLAMA_8B = os.path.join(ROOT, "tests", "data", "llama-3.1-8b")
+QWEN_VL_TEXT = os.path.join(ROOT, "tests", "data", "qwen2.5-vl-7b-text")
+TOLERANCE = 0.10
+GiB = memsim.GiB
+
+
+def _measured(step: str) -> dict:
+    with open(GPU_PROOF, encoding="utf-8") as f:
+        (found,) = [s for s in json.load(f)["steps"] if s["name"] == step]
+    return found["result"]
+
+
+def test_calibration_offload_gpu_bound():
+    """Eight Llama-8B-shaped layers (vocab 32000), LoRA r=16, bf16, at 8K and 16K, offload off and on: the active
+    peak of a step above what was live before it (benchmarks/offload.py --config gpu-bound on the H100)."""
+    result = _measured("offload-gpu-bound")
+    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+              "num_hidden_layers": 8, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "max_position_embeddings": 32768, "tie_word_embeddings": False}
+    for row in result["rows"]:
+        for mode, offload in (("off", False), ("on", True)):
+            device, host = memsim.activation_peak(config, row["seq"], memsim.Features(offload=offload), layers=8)
+            measured = row[f"active_peak_{mode}"]
+            assert abs(device / measured - 1) <= TOLERANCE, (row["seq"], mode, device, measured)
+            assert host == (row["moved_bytes"] if offload else 0)  # the six middle layers' inputs, as the H100 moved
+
+
+def test_calibration_tiled_mlp():
+    """The Llama-8B MLP (LoRA r=8 on gate/up/down, bf16) forward + backward at 8K and 32K tokens, tiled in as many
+    shards as the H100 run used (its rule then left 8K untiled) and not (benchmarks/tiled_mlp.py --device cuda)."""
+    for row in _measured("tiled-mlp-cuda")["rows"]:
+        untiled = memsim.mlp_peak(4096, 14336, row["tokens"], tiled=False)
+        tiled = memsim.mlp_peak(4096, 14336, row["tokens"], tiled=row["tiles"], shards=row["shards"])
+        assert abs(untiled / row["peak_bytes_untiled"] - 1) <= TOLERANCE, (row["tokens"], untiled)
+        assert abs(tiled / row["peak_bytes_tiled"] - 1) <= TOLERANCE, (row["tokens"], tiled)
+
+
+@pytest.mark.parametrize("config", [LLAMA_8B, QWEN_VL_TEXT], ids=["llama-3.1-8b", "qwen2.5-vl-7b-text"])
+def test_real_shapes_each_feature_lowers_the_peak(config):
+    """A 32K-token step at full size (32 and 28 layers, extrapolated from 3 and 4): the fused head removes the
+    float32 logits, offload moves every middle layer's input to the host, the tiled MLP the MLP's intermediates."""
+    seq = 32768
+    plain = memsim.simulate(config, seq, memsim.Features())
+    fused = memsim.simulate(config, seq, memsim.Features(fused_head=True))
+    patched = memsim.simulate(config, seq, memsim.Features(tiled_mlp=True, offload=True, fused_head=True))
+    text = memsim._text_config(memsim._config(config))
+    assert plain.device > fused.device > patched.device
+    assert plain.weights == patched.weights and 14 * GiB < plain.weights < 16 * GiB  # about 7.6B bf16 weights
+    one_input = seq * text.hidden_size * 2
+    assert patched.host == (text.num_hidden_layers - 2) * one_input  # the first and last layers' inputs stay
+    assert fused.per_layer == one_input and patched.per_layer == 0
+
+
+def _tiny(tmp_path) -> str:
+    """Llama's proportions (I/H = 4, V/H = 32) at hidden 512, 4 layers (run whole: no extrapolation)."""
+    config = {"model_type": "llama", "vocab_size": 16384, "hidden_size": 512, "intermediate_size": 2048,
+              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "max_position_embeddings": 1 << 20, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "ddp_patches", "plan", *args], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=env)
+
+
+def test_plan_cli_on_a_local_config(tmp_path):
+    """The planner on a local config.json, no network: each feature lengthens the longest sequence, and the
+    table says it is a simulation, with one row per setup and whether ``--seq`` fits."""
+    out = _plan_cli("--config", _tiny(tmp_path), "--gpu-memory", "2.5GiB", "--seq", "16384", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    longest = {row["setup"]: row["longest"] for row in result["rows"]}
+    names = [s.name for s in plan.SETUPS]
+    assert 0 < longest[names[0]] < longest[names[1]] < longest[plan.PATCHED], longest
+    assert longest[plan.PATCHED] >= max(longest[names[2]], longest[names[3]], longest[names[5]]), longest
+    assert [row["fits_seq"] for row in result["rows"]] == [longest[n] >= 16384 for n in names]
+    table = plan.render(result)
+    assert "a SIMULATION" in table and "calibration: within" in table
+    assert table.count("\n| ") == len(plan.SETUPS) + 1  # the header and one row per setup
+
+
+def test_plan_cli_rejects_bad_input(tmp_path):
+    bad = _plan_cli("--config", _tiny(tmp_path), "--gpu-memory", "lots")
+    assert bad.returncode == 2 and "expected a size such as 80GiB" in bad.stderr
+    missing = _plan_cli("--config", str(tmp_path / "nowhere"))
+    assert missing.returncode != 0 and "expected a local config.json or a model folder" in missing.stderr
+
+
+def test_longest_fits_and_a_step_beyond_its_tolerance_does_not(tmp_path):
+    """The search's answer fits the usable budget; one step of its tolerance (1/64, at least 1024) more does not."""
+    config = memsim._config(_tiny(tmp_path))
+    budget = int(2.5 * GiB)
+    features = memsim.Features(fused_head=True)
+    n, step = plan.longest(config, features, budget)
+    assert step is not None and step.device <= plan.usable(budget) and n % 1024 == 0
+    assert memsim.simulate(config, n + max(1024, n // 64), features).device > plan.usable(budget)
+
+
+def test_readme_table_is_the_committed_plans_rendered():
+    """The README's real-shape table is ``plan.readme_block`` of the committed planner outputs
+    (docs/plan-*.json, written by ``python -m ddp_patches plan --config tests/data/<model> --seq 131072 --json``)."""
+    results = {}
+    for label, name in (("Llama-3.1-8B (32 layers)", "llama-3.1-8b"),
+                        ("Qwen2.5-VL-7B, text path (28 layers)", "qwen2.5-vl-7b-text")):
+        with open(os.path.join(ROOT, "docs", f"plan-{name}-80gib.json"), encoding="utf-8") as f:
+            results[label] = json.load(f)
+        assert results[label]["simulation"] and results[label]["budget"] == 80 * GiB
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert plan.readme_block(results) in f.read()
