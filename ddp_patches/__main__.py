@@ -31,7 +31,12 @@ def main(argv: list[str] | None = None) -> int:
             planner.parse_bytes(args.gpu_memory)
         except ValueError as e:
             parser.error(f"--gpu-memory: {e}")
-        return planner.main(args)
+        if args.lora_r < 1 or (args.seq is not None and args.seq < 1):
+            parser.error(f"--lora-r and --seq expect a number >= 1; found {args.lora_r} and {args.seq}")
+        try:
+            return planner.main(args)
+        except (ValueError, FileNotFoundError, ImportError) as e:  # a config or a budget it cannot plan for
+            parser.error(str(e))
 
     from .doctor import diagnose
 

@@ -295,15 +295,17 @@ def environment(options: dict, log_level: str | None, environ: dict | None = Non
 # hook would stay silent, so ``--print-env dotenv`` writes that file's KEY=VALUE form. Tested in
 # tests/test_autoapply.py (test_print_env_switches_every_process_of_a_launch).
 def print_env(options: dict, log_level: str | None, form: str, environ: dict | None = None) -> str:
-    """The variables ``environment()`` sets or changes, as shell exports (``sh``) or KEY=VALUE lines (``dotenv``)."""
-    before = dict(os.environ if environ is None else environ)
-    after = environment(options, log_level, before)
+    """Every variable the switched processes read -- PYTHONPATH and each ``DDP_PATCHES_*``, also those already set
+    here (a file for other nodes must hold them all) -- as shell exports (``sh``) or KEY=VALUE lines (``dotenv``)."""
     import shlex
 
-    changed = [(k, v) for k, v in after.items() if before.get(k) != v]
+    after = environment(options, log_level, dict(os.environ if environ is None else environ))
+    first = ("PYTHONPATH", ENABLE)
+    wanted = [(k, after[k]) for k in first] + sorted((k, v) for k, v in after.items()
+                                                     if k.startswith(PREFIX) and k not in first)
     if form == "dotenv":
-        return "".join(f"{k}={v}\n" for k, v in changed)
-    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in changed)
+        return "".join(f"{k}={v}\n" for k, v in wanted)
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in wanted)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -46,6 +46,8 @@ class LiveBytes(TorchDispatchMode):
         self.current = {"device": 0, "host": 0}
         self.peak = {"device": 0, "host": 0}
         self._paused = 0
+        self.phase = "embedding"  # set by the caller's hooks: "layer" or "head"
+        self.peak_phase = self.phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -85,7 +87,10 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, place: str, nbytes: int) -> None:
         self.current[place] += nbytes
-        self.peak[place] = max(self.peak[place], self.current[place])
+        if self.current[place] > self.peak[place]:
+            self.peak[place] = self.current[place]
+            if place == "device":
+                self.peak_phase = self.phase
 
     def move(self, t: torch.Tensor, place: str) -> int:
         """Count ``t``'s storage at ``place`` from now on; the bytes moved (0 if untracked or already there)."""
@@ -123,6 +128,7 @@ class Step:
     activations: int  # the peak of live bytes created in the step (forward, backward, loss)
     host: int  # the peak of bytes offloaded to the host
     per_layer: int  # what one more layer adds to the activation peak
+    peak_in: str = "layer"  # where the activation peak is: "layer" (a layer's recompute) or "head" (head and loss)
 
     @property
     def device(self) -> int:
@@ -192,9 +198,14 @@ def build(config, *, layers: int, lora_r: int, dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM
 
     _register_attention()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype,
-                                                 attn_implementation=ATTENTION)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_with_layers(config, layers), dtype=dtype,
+                                                     attn_implementation=ATTENTION)
+    except ValueError as e:  # a VLM's config, an encoder, an attention kind transformers refuses for this class
+        raise ValueError(f"ddp_patches.memsim: expected the config of a causal LM that runs SDPA; "
+                         f"{config.model_type} does not build as one ({str(e).splitlines()[0][:200]}). For a VLM, "
+                         "pass its language model's config (text_config with its own model_type)") from None
     model.config.use_cache = False
     model.gradient_checkpointing_enable({"use_reentrant": False})
     model.enable_input_require_grads()
@@ -236,9 +247,14 @@ def _static_bytes(model) -> tuple[int, int]:
 
 
 def _decoder_layers(model) -> list:
-    """The text decoder's layers (the modules the checkpoint wraps, one per layer)."""
-    found = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    return found
+    """The decoder's layers: the ModuleList of ``num_hidden_layers`` modules of one class (GPT-NeoX's ``layers``,
+    GPT-2's ``h``, Llama's ``layers``); a clear error where there is none."""
+    count = _text_config(model.config).num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count and len({type(m) for m in module}) == 1:
+            return list(module)
+    raise ValueError(f"ddp_patches.memsim: expected a ModuleList of {count} decoder layers in "
+                     f"{type(model.get_base_model()).__name__}; found none, so offload cannot be modelled")
 
 
 def _in_backward() -> bool:
@@ -262,7 +278,7 @@ def _offloading(model, live: LiveBytes):
             live.move(t, "device")
 
     def pre(k):
-        def hook(module, args, kwargs):
+        def hook(module, args):
             if _in_backward():
                 bring_back(k)
                 bring_back(k - 1)
@@ -277,7 +293,9 @@ def _offloading(model, live: LiveBytes):
             live.move(x, "host")
         return hook
 
-    handles = [layer.register_forward_pre_hook(pre(k), with_kwargs=True) for k, layer in enumerate(layers)]
+    # the recompute runs a layer's forward, not its __call__ (transformers 5 checkpoints forward so that a layer's
+    # own hooks stay outside): its children's hooks see it
+    handles = [child.register_forward_pre_hook(pre(k)) for k, layer in enumerate(layers) for child in layer.children()]
     handles += [layer.register_forward_hook(post(k), with_kwargs=True) for k, layer in enumerate(layers)]
     try:
         yield
@@ -350,18 +368,54 @@ def _loss(model, ids: torch.Tensor, fused_head: bool) -> torch.Tensor:
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
     base = model.get_base_model()
-    hidden = base.model(input_ids=ids).last_hidden_state
+    hidden = base.base_model(input_ids=ids).last_hidden_state  # the decoder (Llama's model, GPT-NeoX's gpt_neox)
     head = base.get_output_embeddings()
     out = ChunkedLogProbFunction.apply(hidden[0, :-1], head.weight, head.bias, ids[0, 1:], 1.0,
                                        _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs",))
     return -out[0].mean()
 
 
-def activation_peak(config, seq: int, features: Features, *, layers: int, lora_r: int = 16,
-                    dtype=torch.bfloat16) -> tuple[int, int]:
-    """(device, host) peak bytes created in one forward + backward of ``layers`` layers at ``seq`` tokens."""
+@contextlib.contextmanager
+def _phases(model, live: LiveBytes):
+    """Where the step is, for the peak: "layer" while a decoder layer's parts run (forward or recompute), "head"
+    from the end of the last layer's forward (the final norm, LM head and loss, and their backward, come before any
+    recompute)."""
+    layers = _decoder_layers(model)
+
+    def enter(module, args):
+        live.phase = "layer"
+
+    def leave(module, args, output):
+        if not _in_backward():
+            live.phase = "head"
+
+    handles = [child.register_forward_pre_hook(enter) for layer in layers for child in layer.children()]
+    handles.append(layers[-1].register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def fused_head_available() -> bool:
+    """Whether this TRL has the chunked head the fused-head setups run (``trl.kernels.ChunkedLogProbFunction``)."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def activation_run(config, seq: int, features: Features, *, layers: int, lora_r: int = 16,
+                   dtype=torch.bfloat16) -> LiveBytes:
+    """One forward + backward of ``layers`` layers at ``seq`` tokens; its ``LiveBytes`` (peaks, peak phase)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    if features.fused_head and not fused_head_available():
+        raise ImportError("ddp_patches.memsim: the fused head runs TRL's chunked head (trl.kernels."
+                          "ChunkedLogProbFunction); this TRL has none: upgrade TRL (1.16 has it)")
     model = build(_config(config), layers=layers, lora_r=lora_r, dtype=dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):
         _materialise(model)
@@ -369,6 +423,7 @@ def activation_peak(config, seq: int, features: Features, *, layers: int, lora_r
         live = LiveBytes()
         live.exclude([*model.parameters(), *model.buffers(), ids])
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_phases(model, live))
             if features.offload:
                 stack.enter_context(_offloading(model, live))
             if features.tiled_mlp:
@@ -377,6 +432,13 @@ def activation_peak(config, seq: int, features: Features, *, layers: int, lora_r
                 stack.enter_context(_gpu_folds(live))
             with live:
                 _loss(model, ids, features.fused_head).backward()
+    return live
+
+
+def activation_peak(config, seq: int, features: Features, *, layers: int, lora_r: int = 16,
+                    dtype=torch.bfloat16) -> tuple[int, int]:
+    """(device, host) peak bytes created in one forward + backward of ``layers`` layers at ``seq`` tokens."""
+    live = activation_run(config, seq, features, layers=layers, lora_r=lora_r, dtype=dtype)
     return live.peak["device"], live.peak["host"]
 
 
@@ -394,16 +456,17 @@ def simulate(config, seq: int, features: Features = Features(), *, lora_r: int =
     total = layers or _text_config(config).num_hidden_layers
     small, large = PROBE_LAYERS
     if total <= large:
-        act, host = activation_peak(config, seq, features, layers=total, lora_r=lora_r, dtype=dtype)
-        per_layer = 0
+        run = activation_run(config, seq, features, layers=total, lora_r=lora_r, dtype=dtype)
+        act, host, per_layer = run.peak["device"], run.peak["host"], 0
     else:
-        a, ha = activation_peak(config, seq, features, layers=small, lora_r=lora_r, dtype=dtype)
-        b, hb = activation_peak(config, seq, features, layers=large, lora_r=lora_r, dtype=dtype)
-        per_layer = b - a
-        act = b + (total - large) * per_layer
-        host = hb + (total - large) * (hb - ha)
+        few = activation_run(config, seq, features, layers=small, lora_r=lora_r, dtype=dtype)
+        run = activation_run(config, seq, features, layers=large, lora_r=lora_r, dtype=dtype)
+        per_layer = run.peak["device"] - few.peak["device"]
+        act = run.peak["device"] + (total - large) * per_layer
+        host = run.peak["host"] + (total - large) * (run.peak["host"] - few.peak["host"])
     weights, lora = static_bytes(config, layers=total, lora_r=lora_r, dtype=dtype)
-    return Step(seq=seq, layers=total, weights=weights, lora=lora, activations=act, host=host, per_layer=per_layer)
+    return Step(seq=seq, layers=total, weights=weights, lora=lora, activations=act, host=host, per_layer=per_layer,
+                peak_in=run.peak_phase)
 
 
 def mlp_peak(hidden: int, intermediate: int, tokens: int, *, tiled: bool, shards: int | None = None,

@@ -105,6 +105,10 @@ def test_print_env_switches_every_process_of_a_launch(tmp_path):
     dotenv = run([sys.executable, "-m", "ddp_patches.autoapply", "--print-env", "dotenv"],
                  env={"PYTHONPATH": ""}).stdout.splitlines()
     assert dotenv == [f"PYTHONPATH={autoapply.BOOTSTRAP_DIR}", "DDP_PATCHES_APPLY=1"], dotenv
+    # after the eval, as in the README: the file for other nodes holds everything, not only what changed here
+    shell = f'eval "$({cli} --print-env --offload false)"; {cli} --print-env dotenv'
+    again = run(["bash", "-c", shell], env={"PYTHONPATH": ""}).stdout.splitlines()
+    assert again == [f"PYTHONPATH={autoapply.BOOTSTRAP_DIR}", "DDP_PATCHES_APPLY=1", "DDP_PATCHES_OFFLOAD=false"], again
     both = run([sys.executable, "-m", "ddp_patches.autoapply", "--print-env", "sh", "torchrun", "x.py"])
     assert both.returncode == 2 and "runs nothing; found a command too: 'torchrun'" in both.stderr
 

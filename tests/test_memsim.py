@@ -18,7 +18,7 @@ from tests.harness import ROOT
 GPU_PROOF = os.path.join(ROOT, "docs", "gpu-proof.json")
 LLAMA_8B = os.path.join(ROOT, "tests", "data", "llama-3.1-8b")
 QWEN_VL_TEXT = os.path.join(ROOT, "tests", "data", "qwen2.5-vl-7b-text")
-TOLERANCE = 0.10
+TOLERANCE = 0.02  # measured: the layers within 2 KiB, the tiled MLP 1.2% (the issue asked for 10%)
 GiB = memsim.GiB
 
 
@@ -66,7 +66,7 @@ def test_real_shapes_each_feature_lowers_the_peak(config):
     assert plain.weights == patched.weights and 14 * GiB < plain.weights < 16 * GiB  # about 7.6B bf16 weights
     one_input = seq * text.hidden_size * 2
     assert patched.host == (text.num_hidden_layers - 2) * one_input  # the first and last layers' inputs stay
-    assert fused.per_layer == one_input and patched.per_layer == 0
+    assert fused.per_layer == one_input and patched.per_layer < one_input / 16  # offloaded: the input is on the host
 
 
 def _tiny(tmp_path) -> str:
@@ -101,11 +101,30 @@ def test_plan_cli_on_a_local_config(tmp_path):
     assert table.count("\n| ") == len(plan.SETUPS) + 1  # the header and one row per setup
 
 
+def test_other_layouts_and_a_vlm_config(tmp_path):
+    """GPT-NeoX keeps its layers in ``gpt_neox.layers`` and its decoder under another name: found without names
+    (offload moves the middle layers' inputs; the fused head runs on its decoder). A VLM's own config is not a
+    causal LM's: a clear error that says to pass its text config."""
+    neox = {"model_type": "gpt_neox", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 1024,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "tie_word_embeddings": False}
+    step = memsim.simulate(neox, 4096, memsim.Features(offload=True, fused_head=True))
+    assert step.host == 2 * 4096 * 256 * 2  # layers 1 and 2 of 4, bf16
+    vlm = {"model_type": "qwen2_5_vl", "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 256,
+                                                       "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                       "num_key_value_heads": 2, "vocab_size": 4096}}
+    with pytest.raises(ValueError, match="pass its language model's config"):
+        memsim.simulate(vlm, 1024, memsim.Features())
+
+
 def test_plan_cli_rejects_bad_input(tmp_path):
     bad = _plan_cli("--config", _tiny(tmp_path), "--gpu-memory", "lots")
     assert bad.returncode == 2 and "expected a size such as 80GiB" in bad.stderr
+    small = _plan_cli("--config", _tiny(tmp_path), "--gpu-memory", "1GiB")
+    assert small.returncode == 2 and "leaves nothing for a step" in small.stderr
+    rank = _plan_cli("--config", _tiny(tmp_path), "--lora-r", "0")
+    assert rank.returncode == 2 and "expect a number >= 1" in rank.stderr
     missing = _plan_cli("--config", str(tmp_path / "nowhere"))
-    assert missing.returncode != 0 and "expected a local config.json or a model folder" in missing.stderr
+    assert missing.returncode == 2 and "expected a local config.json or a model folder" in missing.stderr
 
 
 def test_longest_fits_and_a_step_beyond_its_tolerance_does_not(tmp_path):
@@ -123,7 +142,7 @@ def test_readme_table_is_the_committed_plans_rendered():
     (docs/plan-*.json, written by ``python -m ddp_patches plan --config tests/data/<model> --seq 131072 --json``)."""
     results = {}
     for label, name in (("Llama-3.1-8B (32 layers)", "llama-3.1-8b"),
-                        ("Qwen2.5-VL-7B, text path (28 layers)", "qwen2.5-vl-7b-text")):
+                        ("Qwen2.5-VL-7B language model (28 layers; tower not counted)", "qwen2.5-vl-7b-text")):
         with open(os.path.join(ROOT, "docs", f"plan-{name}-80gib.json"), encoding="utf-8") as f:
             results[label] = json.load(f)
         assert results[label]["simulation"] and results[label]["budget"] == 80 * GiB
