@@ -111,11 +111,6 @@ class Features:
     offload: bool = False
     fused_head: bool = False
 
-    def label(self) -> str:
-        on = [n for n, v in (("tiled MLP", self.tiled_mlp), ("offload", self.offload), ("fused head", self.fused_head))
-              if v]
-        return " + ".join(on) or "checkpointing only"
-
 
 @dataclasses.dataclass
 class Step:
@@ -313,16 +308,14 @@ def _tiling(model):
     patched = []
     for layer in _decoder_layers(model):
         mlp = getattr(layer, "mlp", None)
-        gate = getattr(mlp, "gate_proj", None)
-        if gate is None:
+        if getattr(mlp, "gate_proj", None) is None:
             continue
-        intermediate = getattr(gate, "out_features", None) or gate.base_layer.out_features
         original = mlp.forward
 
-        def forward(x, original=original, mlp=mlp, intermediate=intermediate):
+        def forward(x, original=original, mlp=mlp):
             hidden = x.shape[-1]
             rows = x.numel() // hidden
-            sizes = tiled_mlp.shard_sizes(rows, hidden, None, intermediate)
+            sizes = tiled_mlp.shard_sizes(rows, hidden, None, tiled_mlp._intermediate(mlp, x))  # the patch's own rule
             if not torch.is_grad_enabled() or len(sizes) == 1:
                 return original(x)
             params = tuple(p for p in mlp.parameters() if p.requires_grad)
