@@ -1,10 +1,10 @@
 """``python -m benchmarks``: run every benchmark, write results/<name>.json and a PNG plot each, and (with
-``--readme``) regenerate the results table in README.md from the JSON files.
+``--readme``) regenerate the results table of docs/benchmarks.md from the JSON files.
 
     python -m benchmarks                       # all (GPU ones are skipped with a message when there is no GPU)
     python -m benchmarks --quick               # shorter sweeps: a few minutes on a 2-core CPU machine
     python -m benchmarks --only ddp_overhead,scaling
-    python -m benchmarks --readme-only         # rebuild the README table from results/*.json, run nothing
+    python -m benchmarks --readme-only         # rebuild the docs table from results/*.json, run nothing
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
     p.add_argument("--quick", action="store_true", help="shorter sweeps")
     p.add_argument("--out-dir", default=RESULTS)
-    p.add_argument("--readme", action="store_true", help="also rebuild the README table afterwards")
-    p.add_argument("--readme-only", action="store_true", help="only rebuild the README table")
-    p.add_argument("--readme-path", default=os.path.join(ROOT, "README.md"))
+    p.add_argument("--readme", action="store_true", help="also rebuild the table of docs/benchmarks.md afterwards")
+    p.add_argument("--readme-only", action="store_true", help="only rebuild the table of docs/benchmarks.md")
+    p.add_argument("--readme-path", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="the page to rewrite")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.only.split(",")] if args.only else list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme or args.readme_only:
         table = readme_table(args.out_dir)
         if update_readme(args.readme_path, table):
-            print(f"README table rebuilt from {args.out_dir}")
+            print(f"{args.readme_path}: table rebuilt from {args.out_dir}")
     return 1 if failed else 0
 
 

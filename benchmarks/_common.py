@@ -159,8 +159,8 @@ def cuda_memory_peaks(fn) -> dict:
     """The three peak counters of ``fn`` on CUDA, each beyond its level before: ACTIVE bytes (allocated plus freed
     blocks not yet reusable), ALLOCATED bytes and RESERVED bytes (segments the caching allocator holds), and the
     allocator's retries (a cudaMalloc that failed, cached segments released, tried again). Figures to report beside
-    a judge, not a judge: none of them alone decides whether a step fits under a cap (benchmarks/max_seq.py, NOTE
-    [The judge is the first OOM, not a peak counter]). Raises what ``fn`` raises (torch.OutOfMemoryError)."""
+    a judge, not a judge: none of them alone decides whether a step fits under a cap (benchmarks/max_seq.py,
+    NOTE [The judge is the first OOM, not a peak counter]). Raises what ``fn`` raises (torch.OutOfMemoryError)."""
     import torch
 
     torch.cuda.synchronize()

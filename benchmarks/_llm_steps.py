@@ -9,7 +9,7 @@ Configurations (all on the same data, the same initial weights):
               find_unused_parameters unset (kept False), the unused-parameter bookkeeping and the trainable-set
               guard.
   patched-fu-true  the same with find_unused_parameters=True (what the Trainer passes for a PeftModel, and what
-              the last release forced): this / patched = the cost of DDP's own search for unused parameters.
+              an earlier design forced): this / patched = the cost of DDP's own search for unused parameters.
 In a single process (world size 1) DDP is not used: every configuration is the plain model.
 
 ``--model moe`` (ddp_overhead's many-tensors config): a tiny Switch Transformers model (encoder and decoder, every
@@ -121,7 +121,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddp_patches
-    from ddp_patches import offload
+    from ddp_patches.offload import offloader as offload
 
     from benchmarks._common import leave_group, peak_bytes
 
@@ -201,9 +201,9 @@ def worker(args) -> None:
 # -- the library's per-parameter hooks, timed on their own ------------------------------------------------------
 HOOK_KEYS = ("post_hooks", "backward_start", "settle", "reset_unused", "forward_hooks", "trainable_guard",
              "guard_post_accumulate", "guard_step", "guard_forward", "other_forward_hooks")
-# Timed, but shown apart from the library's Python time: DDP's own finalize (NOTE [DDP's finalize inside the
-# settle]), and the settle's one all-reduce of a float per parameter, most of which is waiting for the slower rank
-# (a wait that, without it, the next collective would take).
+# Timed, but shown apart from the library's Python time: DDP's own finalize
+# (NOTE [DDP's finalize inside the settle]), and the settle's one all-reduce of a float per parameter, most of which
+# is waiting for the slower rank (a wait that, without it, the next collective would take).
 APART_KEYS = ("ddp_finalize_in_settle", "settle_all_reduce")
 
 
@@ -214,6 +214,7 @@ APART_KEYS = ("ddp_finalize_in_settle", "settle_all_reduce")
 # ``_settle``; without the library it runs at the end of the outer backward and is part of no hook. To keep it apart,
 # ``_FireHooks.backward`` (the nested task's first node, before any of those DDP hooks) queues a final callback that
 # notes the time; the finalize, queued later, runs after it, and what the settle spends from that mark on is DDP's.
+# Test: tests/test_benchmarks.py::test_ddp_overhead_many_tensors_quick_keeps_earlier_rows_and_times_the_hooks
 
 
 class _HookTimers:
@@ -302,12 +303,12 @@ class _TimedHooks:
 
     @staticmethod
     def _key(hook) -> str | None:
-        from ddp_patches import guard, reach, reducer
+        from ddp_patches import guard, reach, trainable_set
 
         owner = getattr(hook, "__self__", hook)
         if isinstance(owner, reach.UnusedParameterEdges):
             return "forward_hooks"
-        if isinstance(owner, reducer.TrainableGuard):
+        if isinstance(owner, trainable_set.TrainableGuard):
             return "trainable_guard"
         if isinstance(owner, guard._Counter):
             return "guard_forward"

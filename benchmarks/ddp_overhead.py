@@ -9,7 +9,7 @@ Three DDP models on each rank, stepped in interleaved rounds (see benchmarks/_ll
 (non-reentrant checkpointing, find_unused=False), "patched" (apply(), reentrant kwargs, DDP's defaults kept)
 and "patched-fu-true" (apply() with find_unused=True, as the Trainer passes for a PeftModel). Reports the median
 step-time ratios patched / unpatched (target <= 1.03x) and patched-fu-true / patched (the cost of DDP's search
-for unused parameters, which the last release forced on every run).
+for unused parameters, which an earlier design forced on every run).
 Writes benchmarks/results/ddp_overhead.json and .png.
 
 ``--config many-tensors``: what the library's per-parameter hooks cost at scale. A tiny Switch Transformers MoE
@@ -22,8 +22,8 @@ experts, so most experts idle on every rank and step (about 8,700 of the 10,336 
     second forward (an idle expert fires no hook); the worker checks this in every run (``fu_false_error``);
   * static_graph=True fixes the set of unused parameters at the first step, while the idle experts change from
     step to step (the ranks drift apart silently: NOTE [Static graph needs a defined zero] in reach.py);
-  * reentrant checkpointing fails under DDP without the library ("marked as ready twice": NOTE [Why
-    non-reentrant, and why patch CheckpointFunction] in checkpointing.py);
+  * reentrant checkpointing fails under DDP without the library ("marked as ready twice":
+    NOTE [Why non-reentrant] in checkpointing.py);
   * with find_unused=True DDP finds the idle experts itself: one graph search per forward and an all-reduce of
     its used-parameter map per step, in C++.
 "patched" keeps DDP's defaults (find_unused=False) and relies on the library's rescue (reach.py: a post-hook per
@@ -33,13 +33,13 @@ and the guard stay). Besides the step times, a few extra steps of each patched m
 their own (``_HookTimers`` in _llm_steps.py: exclusive microseconds per hook per step), and a microbenchmark gives
 what the autograd engine spends calling one Python post-hook beyond its body. Reported as microseconds per step
 and as a fraction of the patched step. Not counted as the library's: DDP's own finalize (waiting for the peer,
-copying the averages into the gradients), which runs inside the settle's nested backward (NOTE [DDP's finalize
-inside the settle] in _llm_steps.py), the settle's one all-reduce (mostly a wait for the slower rank, which the
-next collective would otherwise take), and garbage-collection pauses; they are reported apart. The MoE workers
-freeze the objects of the model build (``gc.freeze()``): three models of 64k modules each make a full collection
-take about 1.4 s, which otherwise lands in a random step of a random configuration. The figures go into the JSON
-report under ``configs`` (with ``"many-tensors on cpu"`` etc. as keys), next to the Llama figures of an earlier
-default run, which are kept.
+copying the averages into the gradients), which runs inside the settle's nested backward
+(NOTE [DDP's finalize inside the settle] in _llm_steps.py), the settle's one all-reduce (mostly a wait for the
+slower rank, which the next collective would otherwise take), and garbage-collection pauses; they are reported
+apart. The MoE workers freeze the objects of the model build (``gc.freeze()``): three models of 64k modules each
+make a full collection take about 1.4 s, which otherwise lands in a random step of a random configuration. The
+figures go into the JSON report under ``configs`` (with ``"many-tensors on cpu"`` etc. as keys), next to the Llama
+figures of an earlier default run, which are kept.
 
 ``--device cuda``: both ranks on cuda:0 over gloo (it all-reduces CUDA tensors through host copies), the same
 comparison; every step waits for the device. Needs a CUDA GPU; refuses with a clear error otherwise.
@@ -64,8 +64,8 @@ TARGET = 1.03
 STEPS = os.path.join(ROOT, "benchmarks", "_llm_steps.py")
 CONFIG_CHOICES = ("llama", "many-tensors")
 DEVICES = ("cpu", "cuda")
-# The Llama figures of the default run: the report's top level (README table); the other configurations go under
-# report["configs"].
+# The Llama figures of the default run: the report's top level (docs/benchmarks.md table); the other configurations
+# go under report["configs"].
 LLAMA_KEYS = ("setup", "targets", "median_step_s", "per_round_s", "patched_over_unpatched", "find_unused_cost",
               "misses")
 # --config many-tensors: worker arguments, full size and --quick (a plumbing check: far fewer tensors).
@@ -77,7 +77,7 @@ HOOK_LABELS = {"post_hooks": "AccumulateGrad post-hooks (reach _Recorder), body"
                "settle": "settle (_settle: fires the idle parameters' hooks)",
                "reset_unused": "settle's all-reduce and reset (_reset_unused_everywhere)",
                "forward_hooks": "reach forward hooks (_begin, _attach)",
-               "trainable_guard": "trainable-set guard (reducer.TrainableGuard)",
+               "trainable_guard": "trainable-set guard (trainable_set.TrainableGuard)",
                "guard_post_accumulate": "guard post-accumulate-grad hooks (guard._Written)",
                "guard_step": "guard optimizer-step check (guard._check_step)",
                "guard_forward": "guard forward counter (guard._Counter)",
@@ -87,7 +87,8 @@ HOOK_LABELS = {"post_hooks": "AccumulateGrad post-hooks (reach _Recorder), body"
 def run(quick: bool = False, *, seq: int = 256, rounds: int | None = None, config: str = "llama",
         device: str = "cpu", carry_from: str | None = os.path.join(RESULTS, f"{NAME}.json")) -> dict:
     """Measure ``config`` on ``device``; sections of ``carry_from`` (an earlier report) that this run does not
-    measure are kept, marked ``carried``, so the README rows of every configuration survive a run of one."""
+    measure are kept, marked ``carried``, so the docs/benchmarks.md rows of every configuration survive a run of
+    one."""
     if device == "cuda":
         _require_cuda()
     if config == "llama" and device == "cpu":
@@ -304,7 +305,7 @@ def summarize(report: dict) -> list[str]:
         status = "missed" if report["misses"] else "met"
         rows += [f"| DDP step, patched / best unpatched (CPU, 2 ranks) | {report['patched_over_unpatched']:.3f}x | "
                  f"<= {TARGET}x | {status} |",
-                 f"| find_unused=True / DDP defaults, both patched (the last release forced True) | "
+                 f"| find_unused=True / DDP defaults, both patched (what an earlier design forced) | "
                  f"{report['find_unused_cost']:.3f}x | "
                  "(cost shown) | — |"]
     for key, section in report.get("configs", {}).items():
@@ -334,7 +335,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--rounds", type=int)
     p.add_argument("--config", choices=CONFIG_CHOICES, default="llama",
-                   help="llama (default; the README's first rows) or many-tensors (10,336 trainable tensors)")
+                   help="llama (default; the first rows of docs/benchmarks.md) or many-tensors (10,336 trainable "
+                        "tensors)")
     p.add_argument("--many-tensors", dest="config", action="store_const", const="many-tensors",
                    help="same as --config many-tensors")
     p.add_argument("--device", choices=DEVICES, default="cpu",

@@ -4,10 +4,11 @@
     python -m benchmarks.gpu_proof --steps rerun      # the steps that ran on 2026-11-23, on their own
     python -m benchmarks.gpu_proof --steps cuda-tests,max-seq-cuda   # steps and groups can be mixed
     python -m benchmarks.gpu_proof --dry-run          # no GPU needed: the plan and whether it fits (CI runs it)
-    python -m benchmarks.gpu_proof --merge a.json b.json   # fold results of separate calls into docs/gpu-proof.json
+    python -m benchmarks.gpu_proof --merge a.json b.json   # fold separate calls' results into docs/data/gpu-proof.json
 
-Results merge into ``docs/gpu-proof.json`` (and the README section generated from it): a step's new record
-replaces its old one, a step not run this time keeps its earlier result, and each row names the run that gave it.
+Results merge into ``docs/data/gpu-proof.json`` (and the section of docs/benchmarks.md generated from it): a step's
+new record replaces its old one, a step not run this time keeps its earlier result, and each row names the run that
+gave it.
 A dry run writes nothing unless ``--out`` names a file other than the committed results.
 
 Steps, each a subprocess with its own time limit, so one failure or hang cannot hide the others:
@@ -40,7 +41,7 @@ Groups (NOTE [One call, new evidence first]); limits in seconds, the harness's o
            + harness 30 = 530 s <= 540 s
   rerun    cuda-tests 90 + offload-small 55 + tiled-mlp-cuda 50 + offload-gpu-bound 100 + validate-cuda 260
 
-How the limits were estimated: the re-run steps ran on an H100 on 2026-11-23 (docs/gpu-proof.json, model builds
+How the limits were estimated: the re-run steps ran on an H100 on 2026-11-23 (docs/data/gpu-proof.json, model builds
 included): cuda-tests 51 s, offload-gpu-bound 76 s, offload-small 40 s, validate-cuda 197 s, tiled-mlp-cuda 32 s;
 each limit is 1.3x to 1.8x that. The default steps have not run on a GPU; their limits come from the work they
 do: max-seq-cuda, three sides of ~25 s start-up and model build each, a search budget of 130 s for the three
@@ -54,8 +55,8 @@ launching ~10k small kernels and the hooks, like the 0.9 s CPU step) plus three 
 
 Packages the GPU machine lacks (trl, bitsandbytes, datasets...) travel as wheels; a step whose imports fail is
 reported as "not run" with the missing module, never skipped silently. Results: a JSON file (date, GPU, driver,
-torch/CUDA and library versions, each step's status, figures and output tail) and the README section between the
-``gpu-proof`` markers, generated from it.
+torch/CUDA and library versions, each step's status, figures and output tail) and the section of docs/benchmarks.md
+between the ``gpu-proof`` markers, generated from it.
 """
 
 from __future__ import annotations
@@ -74,14 +75,14 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(ROOT, "docs", "gpu-proof.json")
-README = os.path.join(ROOT, "README.md")
+DEFAULT_OUT = os.path.join(ROOT, "docs", "data", "gpu-proof.json")
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 START, END = "<!-- gpu-proof:start -->", "<!-- gpu-proof:end -->"
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "datasets")
 VALIDATE_ON_CUDA = ("raw-offload-stack", "raw-static-graph-accum", "llama-lora-tiled-mlp", "llama-qlora-find-unused",
                     "qwen2-lora-static-accum", "qwen3-moe-lora-find-unused")
 # The HF Trainer (through accelerate) puts rank r on cuda:r, so these need one GPU per rank: on a one-GPU machine
-# rank 1 fails with "invalid device ordinal" (measured 2026-11-23, docs/gpu-runs/). Run where there are two.
+# rank 1 fails with "invalid device ordinal" (measured 2026-11-23, docs/data/gpu-runs/). Run where there are two.
 NEEDS_A_GPU_PER_RANK = ("hf-trainer-lora", "trl-sft-lora", "gemma3-trainer-vlm")
 
 
@@ -134,20 +135,21 @@ def steps(tmp: str, gpus: int = 1) -> list[Step]:
 
 
 # NOTE [One call, new evidence first]
-# A lent GPU machine gives a session one call of at most 9 minutes (540 s) in practice: machine start and idle
+# A lent GPU machine gives one call of at most 9 minutes (540 s) in practice: machine start and idle
 # count against the same lease. The default group is the steps that never ran on a GPU, most valuable first; its
 # step limits plus HARNESS_S (environment(), one import probe per module, interpreter start) are <= CALL_LIMIT_S,
-# which --dry-run checks (tests/test_benchmarks.py::test_gpu_proof_default_group_fits_one_call). With --deadline-s
-# a step starts only if its limit fits in the time left, so ``--steps default,rerun`` runs the re-runs only with
-# time to spare; a step left out, timed out or missing a module says so in its record, never silently.
+# which --dry-run checks. With --deadline-s a step starts only if its limit fits in the time left, so
+# ``--steps default,rerun`` runs the re-runs only with time to spare; a step left out, timed out or missing a module
+# says so in its record, never silently.
+# Test: tests/test_benchmarks.py::test_gpu_proof_default_group_fits_one_call
 GROUPS = {
     "default": ("max-seq-cuda", "tiled-layer-cuda", "host-sync-cuda", "ddp-overhead-cuda"),
     "rerun": ("cuda-tests", "offload-small", "tiled-mlp-cuda", "offload-gpu-bound", "validate-cuda"),
 }
 CALL_LIMIT_S = 540
 HARNESS_S = 30
-# max-seq-cuda: 30 GiB per rank, two ranks on one 80 GB GPU (benchmarks/max_seq.py, NOTE [Two ranks share the GPU,
-# each with its own budget]): the issue's 60 GiB in all.
+# max-seq-cuda: 30 GiB per rank, two ranks on one 80 GB GPU, 60 GiB in all
+# (NOTE [Two ranks share the GPU, each with its own budget] in benchmarks/max_seq.py).
 MAX_SEQ_BUDGET_MIB = 30 * 1024
 
 
@@ -353,7 +355,7 @@ def judge_max_seq(code: int, result) -> dict:
 
     r, goals = result["ratios"], result["goals"]
     met = all(r[k] is not None and r[k] >= goal for k, goal in goals.items())
-    measured = max_seq.summarize(result)[0].split(" | ")[1]  # the README row's "measured" cell
+    measured = max_seq.summarize(result)[0].split(" | ")[1]  # the docs/benchmarks.md row's "measured" cell
     return {"status": "pass" if met else "missed targets", "result": result,
             "summary": f"{measured} (goals >= {goals['over_best_unpatched']:g}x and >= {goals['over_plain_hf']:g}x; "
                        "ALST 4x and 18x)"}
@@ -372,15 +374,15 @@ def judge_validate(code: int, output: str, result) -> dict:
             "scenarios": outcomes, "result": result}
 
 
-# -- the README section -------------------------------------------------------------------------------------------
+# -- the section of docs/benchmarks.md ---------------------------------------------------------------------------
 def readme_section(proof: dict) -> str:
     runs = proof.get("runs") or [proof["environment"]]
     lines = [START, ""]
     lines += [f"GPU run of {env['date']} on {env.get('gpu') or 'no GPU'} (driver {env.get('driver')}), torch "
               f"{env.get('torch')} (CUDA {env.get('cuda')}), transformers {env.get('transformers')}, peft "
               f"{env.get('peft')}, trl {env.get('trl')}, bitsandbytes {env.get('bitsandbytes')}." for env in runs]
-    lines += ["", "Generated by `python -m benchmarks.gpu_proof` from `docs/gpu-proof.json`; each step's row names the "
-              "run that gave it.", "", "| step | run | status | what it showed |", "|---|---|---|---|"]
+    lines += ["", "Generated by `python -m benchmarks.gpu_proof` from `docs/data/gpu-proof.json`; each step's row "
+              "names the run that gave it.", "", "| step | run | status | what it showed |", "|---|---|---|---|"]
     for s in proof["steps"]:
         lines.append(f"| {s['name']} | {s.get('date') or '—'} | {s['status']} | {s['summary']} |")
     for s in proof["steps"]:
@@ -459,7 +461,7 @@ def max_seq_table(result: dict) -> list[str]:
     return out
 
 
-def write_readme(proof: dict, path: str = README) -> bool:
+def write_readme(proof: dict, path: str = PAGE) -> bool:
     with open(path) as f:
         text = f.read()
     if START not in text or END not in text:
@@ -511,7 +513,7 @@ def write(proof: dict, out: str, readme: bool) -> None:
         json.dump(proof, f, indent=1, default=str)
     print(f"wrote {out}")
     if readme and write_readme(proof):
-        print(f"updated the gpu-proof section of {README}")
+        print(f"updated the gpu-proof section of {PAGE}")
 
 
 def merge(paths: list[str], out: str, readme: bool = True) -> int:
@@ -539,15 +541,15 @@ def plan(chosen: list[Step]) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="the JSON results, merged into what is there (default "
-                   "docs/gpu-proof.json; a dry run writes only where --out names another file)")
+                   "docs/data/gpu-proof.json; a dry run writes only where --out names another file)")
     p.add_argument("--steps", default="default,rerun", help="comma-separated step or group names (default, rerun; "
                    "default: 'default,rerun', the re-runs only if --deadline-s leaves time)")
     p.add_argument("--deadline-s", type=int, default=CALL_LIMIT_S, help="seconds from the start after which no "
                    f"step starts whose limit would pass it (default {CALL_LIMIT_S}: one device call)")
     p.add_argument("--dry-run", action="store_true", help="check the harness and the limits without running steps")
-    p.add_argument("--no-readme", action="store_true", help="do not rewrite the README section")
+    p.add_argument("--no-readme", action="store_true", help="do not rewrite the section of docs/benchmarks.md")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="fold the results of runs split over several calls "
-                   "(in the given order) into --out and the README section, then exit")
+                   "(in the given order) into --out and the section of docs/benchmarks.md, then exit")
     args = p.parse_args(argv)
     started = time.monotonic()
     if args.merge:

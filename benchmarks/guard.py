@@ -104,7 +104,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddp_patches
-    from ddp_patches import guard
+    from ddp_patches import guard, replica_check
 
     from benchmarks._common import leave_group
 
@@ -146,7 +146,7 @@ def worker(args) -> None:
             tracked.steps = 1_000_000 + i  # fresh keys
             dist.barrier()
             start = time.perf_counter()
-            assert guard.check_replicas(tracked) is True
+            assert replica_check.check_replicas(tracked) is True
             checks.append(time.perf_counter() - start)
         out[kind] = {"all_s": times, "check_s": statistics.median(checks), "hooks_s": statistics.median(overhead),
                      "tensors": len(params),
@@ -169,7 +169,7 @@ def gpu_check(args) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ddp_patches import guard
+    from ddp_patches import guard, replica_check
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -196,14 +196,14 @@ def gpu_check(args) -> dict:
     for _ in range(10):
         sync()
         start = time.perf_counter()
-        guard.fingerprint(params)  # ends with .cpu(): a synchronisation, included
+        replica_check.fingerprint(params)  # ends with .cpu(): a synchronisation, included
         checks.append(time.perf_counter() - start)
     step, check = statistics.median(steps), statistics.median(checks)
     report = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "layers": args.layers,
               "torch": torch.__version__, "seq": args.seq,
               "trainable_tensors": len(params), "trainable_params": sum(p.numel() for p in params),
               "median_step_s": step, "fingerprint_s": check,
-              "check_ratio_at_default": check / guard.DEFAULT_REPLICA_CHECK_EVERY / step}
+              "check_ratio_at_default": check / replica_check.DEFAULT_REPLICA_CHECK_EVERY / step}
     print(json.dumps(report, indent=1))
     return report
 

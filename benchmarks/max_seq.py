@@ -20,55 +20,7 @@ shortest first, each with an even share of what the sides before it left; a prob
 the quadratic cost of attention, to end past its side's share is not started; the side then reports its longest
 fitting length as a lower bound, with ``bounded_by``). Both ranks probe the same lengths in lockstep.
 
-NOTE [The judge is the first OOM, not a peak counter]
-On CUDA the budget is enforced as a user meets it: ``torch.cuda.set_per_process_memory_fraction(budget / total)``
-in each process, and a length "fits" when a full training step (forward, backward, optimizer step) and then a
-second one ran without ``torch.OutOfMemoryError`` on both ranks (an all-reduce MIN of a fits flag). The second
-step catches what fragmentation of the first leaves behind. Before every probe, and after an OOM, everything is
-freed (gradients set to None, ``gc.collect()``, ``torch.cuda.empty_cache()``), so each probe starts from the
-allocator state of a fresh run at that length. The peak counters (active, allocated, reserved, beyond what was
-live before the probe) are recorded beside each probe as figures, never as the judge, because none of them is
-the quantity that decides an OOM:
-  * the ACTIVE peak misses fragmentation: a request fails when no free block or new segment of its size fits
-    under the cap, even when the active bytes sum to less than the cap;
-  * the RESERVED peak overstates: the caching allocator keeps every segment it ever obtained (cudaMalloc) until
-    ``empty_cache()``, and when the cap is reached it first releases its cached free segments and retries
-    (``num_alloc_retries``), so a run whose reserved peak is far above the budget can still fit.
-This is why the first H100 offload run (docs/gpu-runs/README.md, benchmarks/offload.py gpu-bound, 8 layers) showed
-the active peak 8% lower at 8K with offload on, but the reserved peak unchanged (10.4 GB on and off, 16.7 GB at
-16K): the reserved high-water mark is set by the largest transient of the step, not by the checkpoint inputs.
-That benchmark computes the loss through the unfused head: at 8K tokens and a 128K vocabulary the bf16 logits
-are 2 GiB, their float32 upcast 4 GiB and its gradient 4 GiB, all alive around the loss, a transient larger than
-the whole steady state (3.4 GiB active). Those segments are obtained once, in the first steps, and never
-returned (no ``empty_cache`` between steps, nothing forces a release below the cap), so both modes report the
-same reserved peak. Offload lowers what is live while the layers run (384 MiB of inputs at 8K), which is below
-that high-water mark; and blocks freed after a copy on the side stream (``record_stream``) are reusable only once
-the CPU observes the copy's event, so some of the saved bytes stay "active" a while. Neither counter says whether
-a longer sequence fits; running it under the cap does.
-
-NOTE [Two ranks share the GPU, each with its own budget]
-The library is inert in a world of one (every patch checks world size > 1), so the proof needs two ranks; with
-one GPU they share it over gloo. ``set_per_process_memory_fraction`` caps each process's caching allocator, so
-``--budget-mib`` is a per-rank budget and the two ranks together hold twice it. The GPU proof uses 30 GiB per
-rank: the two ranks hold the issue's 60 GiB on one 80 GB card, and the remaining ~19 GiB covers what the cap does
-not count (two CUDA contexts of ~0.5 GiB, host-side pinned buffers are not device memory) with room to spare, so
-one rank never meets the other's allocations before its own cap; 2 x 36 GiB would leave ~7 GiB for that and make
-each probe longer (attention is quadratic) in a time-limited step. Each rank trains its own sequence, so the
-per-rank length is what one GPU-sized budget buys per process; the ratios between sides (all under the same
-budget) are what the goals are stated in.
-
-NOTE [A rank that runs out of memory must not leave its peer inside a collective]
-A synchronised DDP step has collectives inside it (buffer broadcast in the forward, bucket all-reduces during
-the backward, the library's count all-reduce): a rank that raises OOM halfway leaves its peer waiting in one, and
-its next collective (the fits flag) would be matched against the peer's bucket. So each CUDA probe first runs a
-LOCAL forward + backward under ``no_sync()`` (no collective at all; no optimizer step, as those gradients were
-never synchronised) under a cap lowered by ``--sync-margin-mib`` (room for the reduction buckets, the optimizer
-state of the first synced step, allocator rounding), agrees on its fits flag, and only then runs the two
-synchronised steps under the full cap. An OOM inside a synchronised step after the local probe fitted cannot be
-recovered safely: it is raised, the run fails loudly (torchrun ends the peer), and the margin is the knob.
-
-On CPU (no OOM, no cap) the judge stays the peak of live tensor bytes from profiler allocation events during one
-full step (benchmarks._common.peak_bytes), the larger of the two ranks' peaks against the budget.
+How a length is judged: NOTE [The judge is the first OOM, not a peak counter] and the NOTEs beside it in ``Prober``.
 
 Per-token memory of each part, at the patched maximum (rank 0 of the patched side): checkpoint inputs on the
 device and on the host (offloaded: from the offloader's accounting of the last fitting step), one layer's
@@ -216,14 +168,28 @@ class Prober:
         self.free()
         return {"seq": seq, "fits": int(peak.item()) <= self.budget, "peak_bytes": int(peak.item())}
 
+    # NOTE [The judge is the first OOM, not a peak counter]
+    # Invariant: on CUDA a length "fits" exactly when a user could train it under the budget: a full training step
+    # (forward, backward, optimizer step) and a second one (what fragmentation of the first leaves behind) run
+    # without ``torch.OutOfMemoryError`` on both ranks under ``torch.cuda.set_per_process_memory_fraction``.
+    # Rule: every probe starts from a fresh run's allocator state (gradients set to None, ``gc.collect()``,
+    # ``torch.cuda.empty_cache()``, also after an OOM), and the ranks agree on a fits flag (all-reduce MIN). The
+    # peak counters are recorded beside each probe, never as the judge: the ACTIVE peak misses fragmentation (a
+    # request fails when no free block or new segment of its size fits under the cap), and the RESERVED peak
+    # overstates (the caching allocator keeps every segment until ``empty_cache()`` and, at the cap, releases its
+    # cached free segments and retries). On CPU (no OOM, no cap) the judge is the larger rank's peak of live tensor
+    # bytes from profiler allocation events during one step (``benchmarks._common.peak_bytes``).
+    # Test: tests/test_benchmarks.py::test_max_seq_smoke_finds_a_length_on_each_side (the CPU judge); on CUDA the
+    # GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py)
     def probe_cuda(self, seq: int) -> dict:
         import torch
 
         record = {"seq": seq}
         self.free()
         ids = self.ids(seq)
-        # The local probe: no collective inside, so an OOM here leaves no peer waiting (NOTE [A rank that runs
-        # out of memory ...]); its cap is lower by the margin the synchronised step may need beyond it.
+        # The local probe: no collective inside, so an OOM here leaves no peer waiting
+        # (NOTE [An OOM never leaves a peer inside a collective]); its cap is lower by the margin the synchronised
+        # step may need beyond it.
         self.cap(self.budget - (self.args.sync_margin_mib << 20))
         local_ok = self.guarded(lambda: self.local_step(ids))
         self.free()
@@ -240,6 +206,18 @@ class Prober:
         self.free()
         return record
 
+    # NOTE [An OOM never leaves a peer inside a collective]
+    # Invariant: a rank that runs out of memory never leaves its peer waiting inside a collective. A synchronised DDP
+    # step has collectives inside it (buffer broadcast, bucket all-reduces, the library's count all-reduce): a rank
+    # that raised OOM halfway would leave its peer in one, and its next collective would be matched against the
+    # peer's bucket.
+    # Rule: each CUDA probe first runs a LOCAL forward + backward under ``no_sync()`` (no collective; no optimizer
+    # step, as those gradients were never synchronised) under a cap lowered by ``--sync-margin-mib`` (room for the
+    # reduction buckets, the first synced step's optimizer state, allocator rounding), agrees on its fits flag, and
+    # only then runs the two synchronised steps under the full cap. An OOM inside a synchronised step after the local
+    # probe fitted cannot be recovered safely: it is raised, the run fails loudly (torchrun ends the peer), and the
+    # margin is the knob.
+    # Test: the GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py); CPU probes have no OOM to test it with
     def local_step(self, ids) -> None:
         with self.ddp.no_sync():
             self.loss(ids).backward()
@@ -254,13 +232,23 @@ class Prober:
         except torch.OutOfMemoryError:
             return False  # the exception (and its frames' tensors) is dropped on return; free() collects
 
+    # NOTE [Two ranks share the GPU, each with its own budget]
+    # Invariant: ``--budget-mib`` is a per-rank budget, and one rank never meets the other's allocations before its
+    # own cap. The library is inert in a world of one (every patch checks world size > 1), so the proof needs two
+    # ranks; with one GPU they share it over gloo, and ``set_per_process_memory_fraction`` caps each process's
+    # caching allocator.
+    # Rule: the two budgets together leave room on the card for what the cap does not count (two CUDA contexts),
+    # as the GPU proof's 30 GiB per rank on an 80 GB card does (MAX_SEQ_BUDGET_MIB in benchmarks/gpu_proof.py). Each
+    # rank trains its own sequence, so the per-rank length is what one budget buys per process; the goals are
+    # ratios between sides under the same budget.
+    # Test: the GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py)
     def cap(self, nbytes: int) -> None:
         import torch
 
         torch.cuda.set_per_process_memory_fraction(max(0.0, min(1.0, nbytes / self.total)))
 
     def offload_figures(self) -> dict:
-        from ddp_patches import offload
+        from ddp_patches.offload import offloader as offload
 
         stats = offload.stats()
         return {"offloaded_bytes": stats.offloaded_bytes} if stats is not None else {}
@@ -332,7 +320,7 @@ def agree_any(flag: bool) -> bool:
 
 # -- per-token memory of each part at the patched maximum ------------------------------------------------------------
 def parts_per_token(model, args, found: dict) -> dict:
-    """Per-token bytes of each part at the patched maximum (NOTE at the top); measured on this rank alone."""
+    """Per-token bytes of each part at the patched maximum (the module docstring); measured on this rank alone."""
     import torch
 
     T = found["max_seq"]
@@ -421,7 +409,7 @@ def worker(args) -> None:
     import ddp_patches
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # A failed synchronised step must end the run, not hang it (NOTE [A rank that runs out of memory ...]).
+    # A failed synchronised step must end the run, not hang it (NOTE [An OOM never leaves a peer inside a collective]).
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=20))
     torch.set_num_threads(args.threads)
     library, fused_head, _ = SIDES[args.side]
@@ -592,7 +580,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--llama-8b-layers", action="store_true",
                    help="H=4096, I=14336, 32 heads, 8 KV heads, vocabulary 128256 (--layers stays yours)")
-    p.add_argument("--budget-mib", type=int, default=128, help="per rank (NOTE [Two ranks share the GPU ...])")
+    p.add_argument("--budget-mib", type=int, default=128,
+                   help="per rank (NOTE [Two ranks share the GPU, each with its own budget])")
     p.add_argument("--first-seq", dest="start", type=int, default=1024)
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=1 << 21)
@@ -602,7 +591,8 @@ def parser() -> argparse.ArgumentParser:
                         "sides before it left); a probe predicted to end past its side's share is not started")
     p.add_argument("--side-budget-s", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--sync-margin-mib", type=int, default=256,
-                   help="CUDA: the local probe's cap is the budget less this (NOTE [A rank that runs out ...])")
+                   help="CUDA: the local probe's cap is the budget less this "
+                        "(NOTE [An OOM never leaves a peer inside a collective])")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--smoke", action="store_true", help="small model and budget: checks the script only")

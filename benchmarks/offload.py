@@ -16,7 +16,7 @@ while a block is still owed to another stream, which is how an earlier version o
 nothing was released), the allocated peak, the reserved peak, ``num_alloc_retries``, the median step time, the
 first step's time and offload's own stats (``stall_ms``: GPU time the compute stream waited for copies in). The
 first step pins the pool's buffers: "on" pins them ahead on a background thread (NOTE [Pinning ahead] in
-ddp_patches/pinned_pool.py), and one more process per repetition, "on-lazy", pins them inside the packs as before;
+ddp_patches/offload/pinned_pool.py), and one more process per repetition, "on-lazy", pins them inside the packs as before;
 ``first_step_s_on`` and ``first_step_s_on_lazy`` are the two figures (with ``pin_ms``, the time pinned inside
 the forward, and ``prepinned``, the buffers pinned ahead, from step 1's stats).
 
@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ddp_patches  # noqa: E402
-from ddp_patches import offload  # noqa: E402
+from ddp_patches.offload import offloader as offload  # noqa: E402
 
 QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,

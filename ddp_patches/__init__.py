@@ -29,9 +29,9 @@ _EXPORTS = {
     "diagnose": ("doctor", "diagnose"),
     "OffloadStats": ("offload", "OffloadStats"),
     "offload_stats": ("offload", "stats"),
-    "TrainableParametersChangedError": ("reducer", "TrainableParametersChangedError"),
+    "TrainableParametersChangedError": ("trainable_set", "TrainableParametersChangedError"),
     "UnsynchronizedGradientsError": ("guard", "UnsynchronizedGradientsError"),
-    "ReplicaDivergenceError": ("guard", "ReplicaDivergenceError"),
+    "ReplicaDivergenceError": ("replica_check", "ReplicaDivergenceError"),
     "UnsupportedVersionError": ("versions", "UnsupportedVersionError"),
 }
 

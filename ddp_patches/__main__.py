@@ -1,5 +1,8 @@
 """``python -m ddp_patches doctor [--json] [--tiled-mlp]``: versions, launch, what apply() changes, findings.
 
+``python -m ddp_patches validate [--list] [--scenarios ...]``: every scenario on 2 ranks, unpatched and patched
+(ddp_patches/verify/validate.py; ``python validate_ddp_fix.py`` in a checkout).
+
 ``python -m ddp_patches plan --config PATH [--gpu-memory 80GiB] [--lora-r 16] [--seq N] [--json]``: the longest
 sequence each setup trains on one GPU, simulated (ddp_patches/plan.py).
 """
@@ -12,8 +15,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validate"]:  # its own parser: every option after the word is the harness's
+        from .verify.validate import main as validate
+
+        return validate(argv[1:], prog="python -m ddp_patches validate")
     parser = argparse.ArgumentParser(prog="python -m ddp_patches")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("validate", help="run every scenario unpatched and patched on 2 ranks (--help for options)")
     doctor = sub.add_parser("doctor", help="report versions, world size, what apply() changes, risky settings")
     doctor.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     doctor.add_argument("--tiled-mlp", action="store_true", help="include the tiled MLP in what apply() changes")

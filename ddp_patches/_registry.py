@@ -31,6 +31,8 @@ class PatchRegistry:
         self._patches: dict[tuple[int, str], _Patch] = {}
         self._handles: list[Any] = []
         self._instance_handles: list[Any] = []  # NOTE [Live DDPs stay protected]
+        self._resets: dict[str, Callable[[], None]] = {}  # NOTE [Each module forgets its own state]
+        self._deferred: list[tuple[Callable[[], None], tuple[tuple[Any, str], ...]]] = []
 
     def original(self, owner: Any, name: str) -> Any:
         """What ``owner.name`` was before it was patched (the live attribute when it is not patched)."""
@@ -53,7 +55,7 @@ class PatchRegistry:
             # or revert() would write an inherited function onto a subclass.
             raise ImportError(
                 f"ddp_patches: cannot patch {_qualname(owner)}.{name}: no such attribute in this version. "
-                "See the supported versions in README.md."
+                "See the supported versions in docs/compatibility.md."
             )
         original = vars(owner)[name]
         replacement = make_replacement(original)
@@ -61,6 +63,43 @@ class PatchRegistry:
         setattr(owner, name, replacement)
         self._patches[key] = _Patch(owner, name, original, replacement)
         logger.debug("patched %s.%s", _qualname(owner), name)
+
+    def restore(self, owner: Any, name: str) -> None:
+        """Put back the original of one patch (a no-op when ``owner.name`` is not patched)."""
+        patch = self._patches.pop((id(owner), name), None)
+        if patch is not None and vars(owner).get(name) is patch.replacement:
+            setattr(owner, name, patch.original)
+
+    # NOTE [A deferred apply() settles first]
+    # Invariant: a deferred apply() runs before anything it was deferred for. ddp-patches-run may have to defer
+    # apply() past an import chain (NOTE [Import-safe at torch import]); stand-ins wait on the entry points instead
+    # (installed here, so revert() and inspect.unwrap see them).
+    # Rule: whatever comes first -- a stand-in's call, or the script's own apply() -- settles: the stand-ins go,
+    # the deferred apply() runs with the environment's options, and only then the caller proceeds. revert() drops
+    # what still waits.
+    # Test: tests/test_api.py::test_a_deferred_apply_settles_first_and_revert_drops_it
+    def defer(self, run: Callable[[], None], *targets: tuple[Any, str]) -> None:
+        """Keep ``run`` for the next settle(); ``targets`` are the (owner, name) patches, installed by the caller,
+        that wait for it: settle() puts their originals back first (NOTE [A deferred apply() settles first])."""
+        self._deferred.append((run, targets))
+
+    def settle(self) -> None:
+        """Run what was deferred, once, oldest first."""
+        while self._deferred:
+            run, targets = self._deferred.pop(0)
+            for owner, name in targets:
+                self.restore(owner, name)
+            run()
+
+    # NOTE [Each module forgets its own state]
+    # Invariant: no module's state outlives the patches (probe verdicts, once-only log keys, the engine seen).
+    # Rule: such a module registers its own ``forget`` here when it is imported; restore_all() -- revert(), a
+    # re-apply, an apply() that failed half-way -- calls every one. So api lists no module's internals, and a
+    # module added later cannot be forgotten by it.
+    # Test: tests/test_api.py::test_revert_forgets_every_modules_state
+    def on_reset(self, forget: Callable[[], None]) -> None:
+        """Call ``forget`` after every restore_all(): a module's state that must not outlive the patches."""
+        self._resets[f"{forget.__module__}.{forget.__qualname__}"] = forget
 
     def add_handle(self, handle: Any) -> None:
         """Keep a ``torch.utils.hooks.RemovableHandle`` (it holds its hook dict weakly) for revert()."""
@@ -92,6 +131,9 @@ class PatchRegistry:
             setattr(patch.owner, patch.name, patch.original)
             restored.append(f"{_qualname(patch.owner)}.{patch.name}")
         self._patches.clear()
+        self._deferred.clear()
+        for forget in self._resets.values():
+            forget()
         return restored
 
 

@@ -7,20 +7,19 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from . import autoapply as _autoapply
 from . import checkpointing as _checkpointing_patch
 from . import engines as _engines
 from . import guard as _guard
-from . import offload as _offload_patch
-from . import offload_probes as _offload_probes
+from .offload import offloader as _offload_patch
 from . import probes as _probes
 from . import reducer as _reducer_patch
+from . import replica_check as _replica_check
 from . import teardown as _teardown
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from . import zero as _zero
 from ._registry import REGISTRY
-from .distributed import forget_pending, log_rank0_once, reset_log_once
+from .distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 
@@ -39,7 +38,7 @@ class ApplyReport:
     def __str__(self) -> str:
         text = "ddp_patches installed: " + (", ".join(self.installed) or "nothing")
         if self.options.get("offload") is False:
-            text += "; offload off (opt-in: apply(offload=True); proven on one H100 so far)"
+            text += "; offload off (opt-in: apply(offload=True); docs/options.md)"
         return text + "".join(f"; {note}" for note in (*self.notes, self.engine) if note)
 
 
@@ -58,15 +57,15 @@ def apply(
     offload_prefetch_depth: int = _offload_patch.DEFAULT_PREFETCH_DEPTH,
     offload_max_in_flight: int = _offload_patch.DEFAULT_MAX_IN_FLIGHT,
     on_unsynced: str = "warn",
-    replica_check_every: int = _guard.DEFAULT_REPLICA_CHECK_EVERY,
+    replica_check_every: int = _replica_check.DEFAULT_REPLICA_CHECK_EVERY,
 ) -> ApplyReport:
     """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
 
     Nothing changes in a process that is not distributed: every patch asks at call time whether a process
     group with world size > 1 exists, and which engine runs the model it acts for (DDP, FSDP2, FSDP1,
     DeepSpeed, torch.compile); it acts only under the engines where it is proven and otherwise steps aside
-    with one WARNING line (NOTE [Engines] in ddp_patches/engines.py; the report names the expected engine). Calling apply() again with the same options does nothing; with other
-    options it reverts and re-applies.
+    with one WARNING line (NOTE [Engines] in ddp_patches/engines.py; the report names the expected engine).
+    Calling apply() again with the same options does nothing; with other options it reverts and re-applies.
 
     Args:
         checkpointing: run every activation checkpoint as ``use_reentrant=False`` under DDP and DeepSpeed
@@ -74,8 +73,8 @@ def apply(
         reducer: choose safe DDP settings at construction, make static_graph work with gradient accumulation,
             and check the trainable-parameter set at each forward.
         offload: move the inputs of each non-reentrant checkpoint (a layer's input hidden states) to pinned host
-            memory between forward and backward. Opt-in (default False): its CUDA path has been proven on one
-            H100 only (README, "Offload"). True does it when distributed and the tensors are on a CUDA device,
+            memory between forward and backward. Opt-in (default False): its CUDA path has run on few GPUs
+            (docs/options.md). True does it when distributed and the tensors are on a CUDA device,
             and logs a warning where it cannot act (single process, CPU-only host). "auto", the old default, now
             means False and says so in one WARNING line.
         offload_min_bytes: tensors smaller than this stay on the device (default 1 MiB).
@@ -88,15 +87,15 @@ def apply(
             still run (default 1). Larger helps where the forward outruns the copies (the compute stream then
             waits for them); each region more keeps one more layer input on the device.
         tiled_mlp: under DDP, FSDP2 or DeepSpeed ZeRO-1/2, run every gate/up/down MLP (found by structure on the
-            model, any family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward that
-            fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
+            model, any family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward
+            that fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
         tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: the rule by bytes,
-            min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2 (NOTE [Tiling by
-            bytes]). Used with ``tiled_mlp``.
+            min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2
+            (NOTE [Tiling by bytes]). Used with ``tiled_mlp``.
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the
-            replica check, if on, then only logs). ddp_patches/guard.py.
+            replica check, if on, then only logs). ddp_patches/guard.py and ddp_patches/replica_check.py.
         replica_check_every: compare a fingerprint of the trainable parameters across ranks before the first and
             the second optimizer step and then before every this-many-th (0: never).
     """
@@ -108,7 +107,7 @@ def apply(
     options.update(_validate_offload_sizes(offload_min_bytes, offload_max_pinned_bytes))
     options.update(_validate_offload_depths(offload_prefetch_depth, offload_max_in_flight))
     options.update(_validate_guard(on_unsynced, replica_check_every))
-    _autoapply.settle()  # a runner's apply() deferred past an import chain comes first (NOTE [Import-safe ...])
+    REGISTRY.settle()  # a runner's deferred apply() comes first: NOTE [A deferred apply() settles first]
     current = _state["report"]
     if current is not None:
         if current.options == options:
@@ -134,14 +133,13 @@ def apply(
                 max_in_flight=options["offload_max_in_flight"],
             )
         if options["checkpointing"] or options["tiled_mlp"] or options["offload"] is not False:
-            installed += _zero.install()  # which modules a DeepSpeed engine runs (NOTE [Engines])
+            on_built = (_tiled_mlp_patch.discover,) if options["tiled_mlp"] else ()
+            installed += _zero.install(on_built)  # which modules a DeepSpeed engine runs (NOTE [Engines])
         installed += _guard.install(on_unsynced=options["on_unsynced"],
                                     replica_check_every=options["replica_check_every"])
         _engines.install_compile_notice()
     except BaseException:
-        REGISTRY.restore_all()  # all or nothing
-        _probes.forget()  # an interrupted apply() leaves no verdict behind for the next one
-        _offload_probes.forget()
+        REGISTRY.restore_all()  # all or nothing, and no probe verdict left behind for the next apply()
         raise
     _warn_ignored(options)
     if options["reducer"]:
@@ -169,14 +167,10 @@ def revert() -> list[str]:
 # ``patched(...)`` block) reverts and installs the class patches again, but builds no DDP: removing those hooks
 # would leave every live DDP unprotected, and its next step would fail ("finished reduction"). So a re-apply that
 # keeps reducer=True keeps them; revert() and a re-apply with reducer=False remove them.
+# Test: tests/test_api.py::test_reapply_keeps_live_ddps_protected
 def _revert(keep_instances: bool) -> list[str]:
-    restored = REGISTRY.restore_all(keep_instances=keep_instances)
+    restored = REGISTRY.restore_all(keep_instances=keep_instances)  # NOTE [Each module forgets its own state]
     _state["report"] = None
-    reset_log_once()
-    forget_pending()
-    _probes.forget()  # NOTE [Probed assumptions]: a later apply() probes again
-    _offload_probes.forget()
-    _engines.forget()
     return restored
 
 

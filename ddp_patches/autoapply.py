@@ -1,31 +1,12 @@
 """``ddp-patches-run [options] <command ...>``: apply() in every Python process a command starts, no code change.
 
 In the style of ``opentelemetry-instrument`` and ``ddtrace-run``: the command runs with ``ddp_patches/_bootstrap``
-first on PYTHONPATH and its options in ``DDP_PATCHES_*`` environment variables. Python imports the
-``sitecustomize`` found there at start-up in every process the command starts (torchrun's and
-``accelerate launch``'s ranks, the ``trl`` CLI, dataloader workers); it then imports the ``sitecustomize`` it
-shadows (the user's, or the system's), if one is further on the path, so nothing of theirs is hidden -- also in a
-process of another interpreter, without ddp_patches, where the hook itself is silent and inert (NOTE [A start-up
-hook in every interpreter] in _bootstrap/sitecustomize.py). apply() itself runs when the process first imports
-torch (NOTE [Apply when torch is imported]), so a Python process that never uses torch pays nothing. This module
-imports only the standard library at module level, for the same reason.
-
-Options (each also an environment variable, which is what the child processes read):
-
-    --checkpointing true|false          DDP_PATCHES_CHECKPOINTING
-    --reducer true|false                DDP_PATCHES_REDUCER
-    --offload true|false                DDP_PATCHES_OFFLOAD (opt-in; "auto" is read as false)
-    --offload-min-bytes N               DDP_PATCHES_OFFLOAD_MIN_BYTES
-    --offload-max-pinned-bytes N|auto   DDP_PATCHES_OFFLOAD_MAX_PINNED_BYTES
-    --offload-prefetch-depth N          DDP_PATCHES_OFFLOAD_PREFETCH_DEPTH (N >= 1)
-    --offload-max-in-flight N           DDP_PATCHES_OFFLOAD_MAX_IN_FLIGHT (N >= 1)
-    --tiled-mlp true|false              DDP_PATCHES_TILED_MLP
-    --tiled-mlp-shard-tokens N|auto     DDP_PATCHES_TILED_MLP_SHARD_TOKENS
-    --log-level LEVEL                   DDP_PATCHES_LOG_LEVEL (show the library's lines at LEVEL, e.g. INFO)
-
-``DDP_PATCHES_APPLY=1`` switches the start-up hook on; without it, a leftover PYTHONPATH entry does nothing.
-``ddp-patches-run --print-env [sh|dotenv] [options]`` prints those variables instead of running a command, for a
-launch that no command prefix reaches: NOTE [One switch for a whole launch].
+first on PYTHONPATH, ``DDP_PATCHES_APPLY=1``, and each option (``OPTIONS``: apply()'s keywords, plus
+``--log-level``) as a ``DDP_PATCHES_*`` variable, which is what the child processes read (docs/options.md).
+The ``sitecustomize`` there runs at start-up in every process (NOTE [A start-up hook in every interpreter]) and
+calls ``bootstrap()``, which applies once torch is imported (NOTE [Apply when torch is imported]).
+``--print-env [sh|dotenv]`` prints the variables instead (NOTE [One switch for a whole launch]).
+Entry points: ``main()`` (the console script), ``bootstrap()``, ``environment()``, ``print_env()``.
 """
 
 from __future__ import annotations
@@ -42,7 +23,8 @@ if TYPE_CHECKING:
     from typing import Callable
 
 # Only os, sys and types at module level: this module loads at start-up in every process of a launch, also in
-# those that never import torch; argparse, logging, shlex and shutil load where they are used.
+# those that never import torch (NOTE [Apply when torch is imported]); argparse, logging, shlex and shutil load
+# where they are used.
 
 ENABLE = "DDP_PATCHES_APPLY"
 LOG_LEVEL = "DDP_PATCHES_LOG_LEVEL"
@@ -104,7 +86,7 @@ OPTIONS: dict[str, Callable[[str], object]] = {
     "offload_max_in_flight": _at_least_one,
     "tiled_mlp": _bool,
     "tiled_mlp_shard_tokens": _count_or_auto,
-    "on_unsynced": _on_unsynced,  # ddp_patches/guard.py
+    "on_unsynced": _on_unsynced,  # ddp_patches/guard.py, ddp_patches/replica_check.py
     "replica_check_every": _count,
 }
 
@@ -135,11 +117,12 @@ def options_from_env(environ: dict | None = None) -> dict:
 
 
 # NOTE [Apply when torch is imported]
-# sitecustomize runs before the user's code, when nothing is imported yet. Calling apply() there would import
-# torch (about 2 s) in every Python process, also in those that never use it, and it is not needed: every
-# patch acts on torch, transformers and DDP objects looked up at call time. So the hook waits for the first
-# ``import torch`` (a one-shot meta-path finder that wraps the torch loader's ``exec_module``) and calls apply()
-# right after torch's own __init__ has run -- before any user line that could build a Trainer or DDP.
+# Invariant: a process started by the runner is patched before any user line can build a Trainer or DDP, and a
+# process that never imports torch pays nothing (apply() at start-up would import torch in every process).
+# Rule: the start-up hook installs a one-shot meta-path finder that wraps the torch loader's ``exec_module`` and
+# calls apply() right after torch's own __init__ has run; every patch looks its targets up at call time, so
+# nothing is missed by waiting. This module imports only os, sys and types at module level, for the same reason.
+# Test: tests/test_autoapply.py::test_applies_after_torch_is_imported_with_the_options
 class _ApplyAfterTorchImport(AfterImport):
     """A ``sys.meta_path`` finder: run ``callback`` once torch's module body has executed (``_after_import``)."""
 
@@ -158,15 +141,15 @@ def apply_from_env() -> None:
 
 
 # NOTE [Import-safe at torch import]
-# torch is often imported from inside another module's import: ``import ddp_patches; ddp_patches.apply()`` loads
-# ddp_patches.api, which imports torch (apply() would re-enter the half-initialised api: AttributeError
-# "partially initialized module 'ddp_patches.api'"); ``import transformers`` / ``accelerate`` / ``trl sft`` import
-# torch inside their own chain (apply(tiled_mlp=True) imports transformers: ImportError "partially initialized
-# module 'transformers.configuration_utils'"). So the hook applies at once only when torch is the outermost
-# import still executing; otherwise it defers apply() to its first use, which always comes after the imports:
-# the creation of the process group (every patch acts only when distributed), the construction of a DDP, or the
-# script's own apply(). Until then three thin stand-ins (init_process_group, twice, and DDP.__init__) wait, each
-# putting back the originals and applying before it hands the call on.
+# Invariant: applying at torch's import never re-enters a half-initialised module. torch is often imported inside
+# another import: ``import ddp_patches`` (apply() would re-enter ddp_patches.api: "partially initialized module"),
+# or ``import transformers`` / ``accelerate`` / ``trl sft`` (apply(tiled_mlp=True) imports transformers).
+# Rule: apply at once only when torch is the outermost import still executing; otherwise defer apply() to its
+# first use, which always comes after the imports: the creation of the process group (every patch acts only when
+# distributed), the construction of a DDP, or the script's own apply(). Until then three thin stand-ins
+# (init_process_group, twice, and DDP.__init__) wait; the first one called settles: it puts back the originals and
+# applies before it hands the call on (NOTE [A deferred apply() settles first]).
+# Test: tests/test_autoapply.py::test_libraries_imported_before_torch_with_tiled_mlp
 def _import_in_progress() -> bool:
     """True while a module other than torch is still executing its body: we are inside someone's import."""
     for name, module in list(sys.modules.items()):
@@ -186,9 +169,6 @@ def _spec_of(module):
         return None
 
 
-_pending: list[tuple[object, str, object]] = []  # (owner, name, original) of the stand-ins waiting
-
-
 def apply_after_torch_import() -> None:
     """What the start-up hook runs once torch is imported (NOTE [Import-safe at torch import])."""
     if not _import_in_progress():
@@ -198,35 +178,28 @@ def apply_after_torch_import() -> None:
     from torch.distributed import distributed_c10d
     from torch.nn.parallel import DistributedDataParallel
 
-    for owner, name in ((dist, "init_process_group"), (distributed_c10d, "init_process_group"),
-                        (DistributedDataParallel, "__init__")):
-        original = vars(owner)[name]
-        _pending.append((owner, name, original))
-        setattr(owner, name, _stand_in(owner, name, original))
+    from ._registry import REGISTRY
+
+    targets = ((dist, "init_process_group"), (distributed_c10d, "init_process_group"),
+               (DistributedDataParallel, "__init__"))
+    for owner, name in targets:
+        REGISTRY.install(owner, name, _stand_in(owner, name))
+    REGISTRY.defer(apply_from_env, *targets)  # NOTE [A deferred apply() settles first]
 
 
-def _stand_in(owner, name: str, original):
-    def first_use(*args, **kwargs):
-        settle()
-        return getattr(owner, name)(*args, **kwargs)  # the original, or apply()'s patch of it
+def _stand_in(owner, name: str):
+    def make(original):
+        def first_use(*args, **kwargs):
+            from ._registry import REGISTRY
 
-    first_use.__wrapped__ = original
-    first_use.__name__ = getattr(original, "__name__", name)
-    first_use.__qualname__ = getattr(original, "__qualname__", name)
-    return first_use
+            REGISTRY.settle()
+            return getattr(owner, name)(*args, **kwargs)  # the original, or apply()'s patch of it
 
+        first_use.__name__ = getattr(original, "__name__", name)
+        first_use.__qualname__ = getattr(original, "__qualname__", name)
+        return first_use
 
-def settle() -> None:
-    """Run a deferred apply() now, once (apply() calls it first, so the environment's options come before the
-    script's own)."""
-    if not _pending:
-        return
-    waiting = list(_pending)
-    _pending.clear()
-    for owner, name, original in waiting:
-        if getattr(vars(owner).get(name), "__wrapped__", None) is original:
-            setattr(owner, name, original)
-    apply_from_env()
+    return make
 
 
 def _show_logs(level: str) -> None:
@@ -286,14 +259,14 @@ def environment(options: dict, log_level: str | None, environ: dict | None = Non
 
 
 # NOTE [One switch for a whole launch]
-# Some launches start their Python processes where no command prefix reaches: an sbatch script whose ``srun`` starts
-# the ranks, a tool that calls torchrun itself on every node, DeepSpeed's multi-node launcher (pdsh over ssh). What
-# ddp-patches-run gives its command is only environment (``environment()``), so ``--print-env`` prints it, to be
-# exported once for the whole job: ``eval "$(ddp-patches-run --print-env)"``. Unset, nothing runs at start-up (no
-# .pth file, nothing written into site-packages). DeepSpeed's pdsh runner forwards only variables named in
-# ``.deepspeed_env`` (or prefixed PYTHON, MV2, UCX...): PYTHONPATH would arrive without DDP_PATCHES_APPLY and the
-# hook would stay silent, so ``--print-env dotenv`` writes that file's KEY=VALUE form. Tested in
-# tests/test_autoapply.py (test_print_env_switches_every_process_of_a_launch).
+# Invariant: what ddp-patches-run gives its command is only environment (``environment()``), so a launch that no
+# command prefix reaches (an sbatch script whose ``srun`` starts the ranks, a tool that calls torchrun itself on
+# every node, DeepSpeed's pdsh launcher) is switched by exporting the same variables once for the whole job.
+# Rule: ``--print-env`` prints every one of them (``eval "$(ddp-patches-run --print-env)"``); unset, nothing runs at
+# start-up (no .pth file, nothing written into site-packages). DeepSpeed's pdsh runner forwards only variables
+# named in ``.deepspeed_env`` (or prefixed PYTHON, MV2, UCX...), where PYTHONPATH alone would leave the hook
+# silent, so ``--print-env dotenv`` writes that file's KEY=VALUE form.
+# Test: tests/test_autoapply.py::test_print_env_switches_every_process_of_a_launch
 def print_env(options: dict, log_level: str | None, form: str, environ: dict | None = None) -> str:
     """Every variable the switched processes read -- PYTHONPATH and each ``DDP_PATCHES_*``, also those already set
     here (a file for other nodes must hold them all) -- as shell exports (``sh``) or KEY=VALUE lines (``dotenv``)."""

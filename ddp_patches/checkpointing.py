@@ -1,29 +1,9 @@
-"""Mechanism 1: every activation checkpoint is non-reentrant when the process is distributed.
+"""Every activation checkpoint is non-reentrant where DDP (or DeepSpeed ZeRO-1/2) runs the checkpointed module.
 
-# NOTE [Why non-reentrant, and why patch CheckpointFunction]
-# A reentrant checkpoint (``use_reentrant=True``) recomputes its region in a *separate* autograd graph task
-# during backward. DDP's reducer counts one AccumulateGrad hook per parameter per iteration, so:
-#   * a parameter used in two reentrant regions (a layer checkpointed twice, shared weights) has its hook fire
-#     once per region -> "Expected to mark a variable ready only once" (reducer.cpp);
-#   * its forward runs under no_grad, so with find_unused_parameters=True the reducer cannot reach the region's
-#     parameters from the output, marks them unused, and their real hook later is a second mark (same error);
-#   * with static_graph=True and gradient accumulation it is part of the expect_autograd_hooks_ assert.
-# The non-reentrant variant keeps one graph task: recomputation happens inside the outer backward through
-# saved-tensor hooks, parameters are reachable from the output and each hook fires exactly once.
-#
-# transformers binds ``torch.utils.checkpoint.checkpoint`` into ``functools.partial`` objects stored on every
-# layer (``_gradient_checkpointing_func``) when checkpointing is enabled, and users write
-# ``from torch.utils.checkpoint import checkpoint``: patching the ``checkpoint`` function would miss every
-# reference taken before apply(). All of them, however, end in the same place for the reentrant variant:
-# ``checkpoint()`` looks up the module global ``CheckpointFunction`` at call time and calls
-# ``CheckpointFunction.apply(function, preserve_rng_state, *args)``. Replacing that one global reaches models
-# enabled before or after apply(), the ``{}`` kwargs peft passes (torch's default is reentrant), explicit
-# ``use_reentrant=True`` and ``checkpoint_sequential``, while leaving non-reentrant calls untouched.
-#
-# Nothing a reentrant call could express is lost: the reentrant path rejects ``context_fn``, ``debug`` and
-# extra kwargs before reaching CheckpointFunction and ignores ``determinism_check``/``early_stop``; the one
-# option it honours, ``preserve_rng_state``, is passed on. Inputs that do not require grad, which make a
-# reentrant region produce no parameter gradients at all, work better: non-reentrant still computes them.
+``install()`` replaces ``torch.utils.checkpoint.CheckpointFunction`` with a subclass that, under those engines,
+calls ``checkpoint(..., use_reentrant=False)`` instead, and is the original call everywhere else
+(NOTE [Why non-reentrant]). ``check_recompute_routing(model)`` raises ``RecomputeRoutingError`` for a MoE router
+that draws random numbers while its checkpoints drop the RNG state.
 """
 
 from __future__ import annotations
@@ -36,7 +16,8 @@ import torch
 import torch.distributed as torch_distributed
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import engines, offload, probes
+from . import engines, probes
+from .offload import offloader as offload
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -52,24 +33,23 @@ _SWAP_LINE = {
                  "apply(checkpointing=False) keeps it reentrant",
     engines.ZERO12: "ddp_patches: activation checkpointing use_reentrant=True -> False under %s (world size %d): "
                     "a reentrant checkpoint runs a weight's gradient hook once per region that uses it, and ZeRO "
-                    "reduces it twice ('has already been reduced'); gradients are unchanged. NOTE [Reentrant "
-                    "checkpoints under ZeRO-1/2] in ddp_patches/zero.py; apply(checkpointing=False) keeps it "
-                    "reentrant",
+                    "reduces it twice ('has already been reduced'); gradients are unchanged. "
+                    "NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/zero.py; apply(checkpointing=False) "
+                    "keeps it reentrant",
 }
 
 
 # NOTE [The swap calls torch's own checkpoint]
-# Training tools replace ``torch.utils.checkpoint.checkpoint`` with a wrapper that forces their own
-# ``use_reentrant`` (ms-swift's trainer mixin does, ignoring the caller's keyword). The swap's call through the
-# module attribute then comes back here, reentrant, before the checkpointed function has run; calling the
-# attribute again recursed forever (RecursionError, measured under ms-swift 4.6). So the swap calls the attribute
-# first (a wrapper that adds behaviour keeps it) with the function wrapped to clear a per-thread "pending" flag
-# when it starts; a call that arrives while the flag is set came back through such a wrapper, and goes to
-# torch's own function instead, found by following ``__wrapped__`` to ``checkpoint`` in torch/utils/checkpoint.py
-# (past torch's dynamo guard too, which matters only while compiling, when the swap never runs). A function that
-# checkpoints itself has started, so its inner calls swap as usual. With no ``__wrapped__`` to follow, the swap
-# steps aside with one WARNING and the run goes on as unpatched. Proven by tests/test_checkpointing.py
-# (test_a_checkpoint_wrapper_that_forces_reentrant and the tests after it).
+# Invariant: a tool's wrapper around ``torch.utils.checkpoint.checkpoint`` that forces its own ``use_reentrant``
+# (ms-swift's trainer mixin ignores the caller's keyword) neither undoes the swap nor recurses forever; a wrapper
+# that adds behaviour is kept.
+# Rule: the swap calls the module attribute first, with the function wrapped to clear a per-thread "pending" flag
+# when it starts. A call that arrives while the flag is set came back through such a wrapper before the function
+# ran, and goes to torch's own ``checkpoint`` instead, found by following ``__wrapped__`` into
+# torch/utils/checkpoint.py (past torch's dynamo guard, which matters only while compiling, when the swap never
+# runs). A function that checkpoints itself has started, so its inner calls swap as usual. With no ``__wrapped__``
+# to follow, the swap steps aside with one WARNING and the run goes on as unpatched.
+# Test: tests/test_checkpointing.py::test_a_checkpoint_wrapper_that_forces_reentrant.
 class _Swapping(threading.local):
     pending = False  # the swap called checkpoint() and the checkpointed function has not started yet
 
@@ -112,6 +92,19 @@ def _say_forced_reentrant() -> None:
                    wrapper)
 
 
+# NOTE [Why non-reentrant]
+# Invariant: where DDP runs the checkpointed module, every activation checkpoint, however it was called, is
+# non-reentrant, so each parameter's AccumulateGrad hook fires exactly once per backward. A reentrant checkpoint
+# recomputes its region in a separate graph task during backward: a parameter used in two reentrant regions fires
+# its hook once per region ("Expected to mark a variable ready only once"); a region's forward ran under no_grad,
+# so find_unused_parameters=True cannot reach its parameters from the output, marks them unused, and their real
+# hook is a second mark; static_graph with accumulation hits the expect_autograd_hooks_ assert. Non-reentrant
+# recomputes through saved-tensor hooks inside the outer graph task.
+# Rule: replace the module global ``CheckpointFunction``, which ``checkpoint()`` looks up at call time for every
+# reentrant call (a ``partial`` transformers bound before apply(), ``from ... import checkpoint``, peft's ``{}``
+# kwargs, ``use_reentrant=True``, ``checkpoint_sequential``); non-reentrant calls are untouched. Nothing is lost:
+# the reentrant path honours only ``preserve_rng_state``, which is passed on.
+# Test: tests/test_checkpointing.py::test_ddp_runs_non_reentrant_with_rng_preserved.
 def _make_non_reentrant_under_ddp(original_cls: type) -> type:
     """Build the stand-in for ``CheckpointFunction``; it subclasses the original so type checks still hold."""
 
@@ -149,14 +142,14 @@ def _make_non_reentrant_under_ddp(original_cls: type) -> type:
 
 
 # NOTE [A recompute must route as the forward did]
-# A MoE router with jitter (Mixtral's and PhiMoE's ``router_jitter_noise``, ``input_jitter_noise``) draws random
-# numbers in training, so its top-k choice depends on the RNG. A checkpoint recomputes the region in backward;
-# with ``preserve_rng_state=False`` the recompute draws new noise and sends tokens to other experts. Measured on
-# tiny Mixtral, 2 ranks: reentrant -> gradients silently 1.76 (relative) off; non-reentrant -> CheckpointError
-# "Recomputed values ... have different metadata" deep in backward. With the default ``preserve_rng_state=True``
-# the recompute is exact (difference 0.0 against the same model run without checkpointing). Neither outcome
-# of the False case is a working pattern, so when DDP wraps a model whose config asks for router noise and
-# whose checkpointing does not preserve the RNG, this raises at once with the setting to change.
+# Invariant: a checkpoint's recompute sends every token to the experts the forward chose. A MoE router with jitter
+# (Mixtral's and PhiMoE's ``router_jitter_noise``, ``input_jitter_noise``) draws random numbers in training; with
+# ``preserve_rng_state=False`` the recompute draws new noise and routes elsewhere: silently wrong gradients
+# (reentrant) or CheckpointError "Recomputed values ... have different metadata" deep in backward (non-reentrant).
+# With the default ``preserve_rng_state=True`` the recompute is exact.
+# Rule: neither outcome is a working pattern, so when DDP wraps a model whose config asks for router noise and
+# whose checkpointing does not preserve the RNG, this raises at once, naming the setting to change.
+# Test: tests/test_moe.py::test_router_jitter_without_preserved_rng_is_a_clear_error.
 class RecomputeRoutingError(ValueError):
     """Checkpointing with preserve_rng_state=False on a model whose MoE router draws random numbers."""
 
@@ -250,7 +243,7 @@ def _check_engine_internals() -> None:
 ASSUMPTIONS = (
     probes.Assumption("reentrant-call-site", "checkpoint(use_reentrant=True) calls the module global "
                       "torch.utils.checkpoint.CheckpointFunction.apply(function, preserve_rng_state, *args) "
-                      "(NOTE [Why non-reentrant, and why patch CheckpointFunction])", _check_reentrant_call_site),
+                      "(NOTE [Why non-reentrant])", _check_reentrant_call_site),
     probes.Assumption("non-reentrant-keywords", "checkpoint() accepts use_reentrant= and preserve_rng_state=",
                       _check_non_reentrant_keywords),
     probes.Assumption("engine-internals", "torch._C._current_graph_task_id() (-1 outside a backward) and "

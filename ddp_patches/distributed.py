@@ -12,6 +12,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ._registry import REGISTRY
+
 logger = logging.getLogger("ddp_patches")
 
 _logged_once: set[str] = set()
@@ -48,8 +50,11 @@ def on_first_distributed(callback) -> None:
 
 
 def forget_pending() -> None:
-    """Drop what waits for the first distributed call (revert() calls it)."""
+    """Drop what waits for the first distributed call (at every revert: NOTE [Each module forgets its own state])."""
     _on_first.clear()
+
+
+REGISTRY.on_reset(forget_pending)
 
 
 def rank() -> int:
@@ -69,5 +74,8 @@ def log_rank0_once(key: str, level: int, msg: str, *args: object) -> None:
 
 
 def reset_log_once() -> None:
-    """Forget what was logged (revert() calls it, so a later apply() reports again)."""
+    """Forget what was logged, so a later apply() reports again (NOTE [Each module forgets its own state])."""
     _logged_once.clear()
+
+
+REGISTRY.on_reset(reset_log_once)

@@ -95,7 +95,7 @@ def would_change(tiled_mlp: bool = False, offload: bool = False) -> list[str]:
     if offload:
         changes.append("non-reentrant checkpoints: inputs offloaded to pinned host memory (CUDA only, torch >= 2.8)")
     else:
-        changes.append("offload of checkpoint inputs: off (opt-in, apply(offload=True): proven on one H100 so far)")
+        changes.append("offload of checkpoint inputs: off (opt-in: apply(offload=True); docs/options.md)")
     if tiled_mlp:
         changes.append("gate/up/down MLPs (found by structure, any family): tiled along the tokens from 2 x hidden "
                        "tokens per call on, in shards decided by bytes")
@@ -209,7 +209,7 @@ def _checkpoint_findings(model: Any, args: Any) -> list[Finding]:
 
 def _transformers_offload_finding(reentrant: bool) -> Finding:
     """transformers' offload=True: fails on a CPU host; elsewhere it is the one offload that acts on its
-    checkpoints (NOTE [One offload at a time] in ddp_patches/offload.py)."""
+    checkpoints (NOTE [One offload at a time] in ddp_patches/offload/offloader.py)."""
     if not torch.cuda.is_available():
         return Finding(
             "transformers-offload-on-cpu-host", "error", "activation_checkpointing_enable(offload=True) on a host "
@@ -225,7 +225,7 @@ def _transformers_offload_finding(reentrant: bool) -> Finding:
         + ("; this library's offload steps aside for those checkpoints (no tensor is copied twice)" if ours else "")
         + "." + swap,
         "nothing, or drop offload=True from activation_checkpointing_enable and use ddp_patches.apply(offload=True), "
-        "whose copies overlap compute (README, Offload)")
+        "whose copies overlap compute (docs/options.md, 'offload')")
 
 
 def _reducer_findings(model: Any, args: Any) -> list[Finding]:

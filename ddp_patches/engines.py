@@ -1,36 +1,9 @@
 """Which engine runs the model a patch is acting for, decided at call time, and where each patch acts.
 
-# NOTE [Engines]
-# Every patch was written for, and is proven under, particular engines; under any other it steps aside and
-# says why, once, at WARNING on rank 0 (``step_aside``). "Proven" means a test with gradient parity against a
-# single process (README, engine table):
-#   * the checkpoint swap fixes DDP's reducer (NOTE [Why non-reentrant]) and ZeRO-1/2's per-parameter reduction
-#     (NOTE [Reentrant checkpoints under ZeRO-1/2] in zero.py). FSDP2 and DeepSpeed without ZeRO have no
-#     per-parameter hook to confuse: reentrant checkpoints train there with parity, so the user's choice is
-#     kept. Under DeepSpeed ZeRO-3, non-reentrant checkpoints are reported to fail on partitioned frozen weights
-#     (CheckpointError ... shape [0]) and TRL forces reentrant for PEFT there: never overridden.
-#   * offload (saved-tensor hooks on checkpoint inputs) and the tiled MLP (an autograd.Function whose backward
-#     returns the parameters' gradients once) hold under DDP, FSDP2 and ZeRO-1/2 (FSDP2's unsharded parameters and
-#     ZeRO-1/2's parameters are ordinary tensors during forward and backward).
-#   * the reducer patches are DDP's by construction.
-#   * under torch.compile, dynamo traces checkpoints as its own operator: neither CheckpointFunction nor the
-#     non-reentrant generator runs, so swap and offload cannot act inside compiled code, and the tiled MLP and the
-#     unused-parameter rescue step aside while dynamo traces. Compiled DDP trains with parity without them.
-#
-# How the engine is found, cheapest first:
-#   1. ``torch.compiler.is_compiling()``: dynamo is tracing this code.
-#   2. DeepSpeed ZeRO-3: partitioned parameters (``ds_id``) on the module.
-#   3. DDP: ``DistributedDataParallel._active_ddp_module``, which DDP itself sets for the length of its forward
-#      (dynamo's DDPOptimizer reads the same marker), or a module that a live DDP wraps (a loss-side checkpoint of
-#      the head, outside the forward).
-#   4. FSDP2 / FSDP1: the module lies under a module that ``fully_shard`` (or FSDP1) registered in torch's
-#      composable-state table, or holds FSDP1's flattened parameters. Cached per module.
-#   5. DeepSpeed by its engine: a DeepSpeedEngine built while applied runs the module, or a DeepSpeedEngine's
-#      forward is running (a checkpointed closure); its ZeRO stage, read at call time, names the engine (zero.py).
-#   6. DeepSpeed ZeRO-3 by the process-wide switch: transformers' ``is_deepspeed_zero3_enabled()`` (an
-#      ``HfDeepSpeedConfig`` is alive; no engine needs to run), only where 2-5 found nothing (NOTE [The engine is
-#      the module's owner's]).
-#   7. none of these: "no engine" (a model outside any wrapper, or an engine this library does not know).
+``of_module`` / ``of_function`` name the engine running a module now (DDP, FSDP2, FSDP1, DeepSpeed ZeRO-0,
+ZeRO-1/2 or ZeRO-3, torch.compile, or none); ``acts`` and ``step_aside`` apply ``ACTS_UNDER`` (NOTE [Engines]).
+``expected_from_environment``, ``expected_from_args`` and ``summary`` say what a launch sets up (apply()'s report,
+the doctor); ``install_compile_notice`` arms the one WARNING under torch.compile.
 """
 
 from __future__ import annotations
@@ -47,6 +20,7 @@ import torch
 from torch import nn
 
 from . import zero
+from ._registry import REGISTRY
 from .distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
@@ -60,7 +34,19 @@ ZERO0 = "DeepSpeed ZeRO-0"
 COMPILE = "torch.compile"
 NONE = "no engine"
 
-# Where each patch acts; every cell is a test (README "Engines").
+# NOTE [Engines]
+# Invariant: a patch acts only under the engines it is proven for (a test with gradient parity against a single
+# process); under any other it calls the original and says why, once, at WARNING on rank 0 (``step_aside``).
+#   * the checkpoint swap: DDP (NOTE [Why non-reentrant]) and ZeRO-1/2 (NOTE [Reentrant checkpoints under ZeRO-1/2]).
+#     FSDP2 and ZeRO-0 have no per-parameter hook to confuse, so reentrant checkpoints train there as asked; under
+#     ZeRO-3 non-reentrant checkpoints are reported to fail on partitioned frozen weights, and TRL forces reentrant.
+#   * offload and the tiled MLP: DDP, FSDP2 and ZeRO-1/2, whose parameters are ordinary tensors during forward and
+#     backward. The reducer patches: DDP, by construction.
+#   * torch.compile: dynamo traces checkpoints as its own operator, so swap and offload are not reached inside
+#     compiled code, and the tiled MLP and the rescue step aside while dynamo traces; the compile notice says so.
+# Rule: each patch asks ``of_module`` / ``of_function`` at call time and acts only where ACTS_UNDER lists that
+# engine. Every cell of ACTS_UNDER is a test (docs/engines.md).
+# Test: tests/test_engines.py::test_fsdp2_says_once_what_steps_aside.
 ACTS_UNDER: dict[str, tuple[str, ...]] = {
     "checkpointing": (DDP, ZERO12),
     "reducer": (DDP,),
@@ -112,11 +98,12 @@ _LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)",
 
 # -- detection -------------------------------------------------------------------------------------------------
 # NOTE [Recompute decides as the forward did]
-# DDP's forward marker is unset during backward, but a non-reentrant checkpoint re-runs its region's forward code
-# there (recomputation): a tiled MLP or a nested checkpoint inside it is called again and must take the same path
-# as in the forward, or the region saves different tensors than it did (CheckpointError: "Recomputed values ...
-# have different metadata"; tests/test_tiled_mlp.py's checkpointed stacks fail so without it). So the engine
-# found in a forward is kept per module, and a call made while a backward runs reuses it.
+# Invariant: a call made during a non-reentrant checkpoint's recompute takes the path its forward took. DDP's
+# forward marker is unset during backward, yet the recompute re-runs the region's forward code there; a tiled MLP
+# or a nested checkpoint that decided differently would save different tensors (CheckpointError: "Recomputed
+# values ... have different metadata").
+# Rule: the engine found in a forward is kept per module, and a call made while a backward runs reuses it.
+# Test: tests/test_tiled_mlp.py::test_parity_across_ddp_modes (its checkpointed modes).
 _decided: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 _last: dict[str, str | None] = {"engine": None}
 
@@ -137,9 +124,12 @@ def of_module(module: nn.Module | None) -> str:
 
 
 def forget() -> None:
-    """Drop the decisions kept for recomputation (revert() calls it)."""
+    """Drop the decisions kept for recomputation (at every revert: NOTE [Each module forgets its own state])."""
     _decided.clear()
     _last["engine"] = None
+
+
+REGISTRY.on_reset(forget)
 
 
 _stand_in: list[str] = []
@@ -163,6 +153,7 @@ def acting_as(engine: str) -> Iterator[None]:
 # checkpoints still need the swap. So module-level evidence comes first (partitioned parameters: DeepSpeed; a
 # DDP forward running, or a module that a live DDP wraps: DDP; a sharding registration: FSDP), and the
 # process-wide ZeRO-3 switch decides only where the module says nothing (no module, or one outside any wrapper).
+# Test: tests/test_engines.py::test_a_ddp_student_beside_a_zero3_teacher_is_ddps.
 _owned_by_ddp: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -179,6 +170,19 @@ def _wrapped_by_live_ddp(module: nn.Module) -> bool:
 
 
 def _detect(module: nn.Module | None) -> str:
+    """The engine by the cheapest evidence first (``of_module`` has ruled out compiling; an ``acting_as`` block
+    overrides all):
+
+    1. DeepSpeed ZeRO-3: partitioned parameters (``ds_id``) on the module.
+    2. DDP: ``DistributedDataParallel._active_ddp_module``, which DDP sets for the length of its forward (dynamo's
+       DDPOptimizer reads the same marker), or a module a live DDP wraps (a loss-side checkpoint of the head).
+    3. FSDP2 / FSDP1: the module lies under one that ``fully_shard`` (or FSDP1) registered in torch's
+       composable-state table, or holds FSDP1's flattened parameters (cached per module).
+    4. DeepSpeed by its engine: one built while applied runs the module, or an engine's forward is running (a
+       checkpointed closure); its ZeRO stage, read at call time, names the engine (zero.py).
+    5. transformers' ``is_deepspeed_zero3_enabled()``, only where 1-4 found nothing
+       (NOTE [The engine is the module's owner's]); else "no engine".
+    """
     if _stand_in:
         return _stand_in[-1]
     if module is not None and _has_partitioned_parameters(module):
@@ -363,10 +367,12 @@ class _CompileNotice:
 
 
 # NOTE [Compile notice armed lazily]
-# Registering the notice imports dynamo (about 1.5 s). Every process of a launch inherits WORLD_SIZE, DataLoader
-# workers included, and the runner applies in each: registering at apply() doubled their start-up. So the notice
-# is registered at apply() only where dynamo is already imported or a process group already exists; otherwise
-# the first patch that finds the process distributed registers it (distributed.on_first_distributed).
+# Invariant: apply() in a launched process without a process group (a DataLoader worker inherits WORLD_SIZE, and
+# the runner applies in each) does not import dynamo, which registering the notice does (seconds of start-up).
+# Rule: the notice is registered at apply() only where dynamo is already imported or a process group already
+# exists; otherwise the first patch that finds the process distributed registers it
+# (distributed.on_first_distributed).
+# Test: tests/test_api.py::test_apply_in_a_launched_process_without_a_group_does_not_import_dynamo.
 def install_compile_notice() -> None:
     """Register the compile notice now where it can matter, else when the process first turns out distributed."""
     from . import distributed

@@ -30,10 +30,10 @@ GiB = 1 << 30
 #     as FlashAttention-2 does. transformers cannot read a fake tensor and would build an S x S mask that a GPU run
 #     without padding never builds (SDPA's is_causal); the model runs ``ATTENTION``, transformers' SDPA function
 #     with a mask function that returns None, registered through its AttentionInterface.
-#   * the fused head: TRL folds each logits tile with one in-place Triton kernel on a GPU; its CPU fold makes
-#     float32 temporaries of the tile (about 1.5 GiB), not counted (``_gpu_folds``).
+#   * the fused head: TRL folds each logits tile with one in-place Triton kernel on a GPU; the float32
+#     temporaries of its CPU fold are not counted (``_gpu_folds``).
 #   * the allocator: live bytes, not what a caching allocator reserves; ``plan`` keeps a margin for that.
-# Calibrated against the H100 run in docs/gpu-proof.json: tests/test_memsim.py (test_calibration_*).
+# Test: tests/test_memsim.py::test_calibration_offload_gpu_bound (against the H100 run in docs/data/gpu-proof.json).
 
 
 class LiveBytes(TorchDispatchMode):

@@ -14,7 +14,7 @@ from . import memsim
 GiB = memsim.GiB
 RESERVE_BYTES = 1 * GiB  # the CUDA context and allocator workspaces, beside the fragmentation share below
 RESERVE_FRACTION = 0.05  # what a caching allocator holds beyond the live bytes (not simulated)
-CALIBRATION = ("within 1.2% of the active peaks measured on an H100 (docs/gpu-proof.json, 2026-11-23: eight "
+CALIBRATION = ("within 1.2% of the active peaks measured on an H100 (docs/data/gpu-proof.json, 2026-11-23: eight "
                "Llama-8B-shaped layers at 8K and 16K with the unfused head, offload off and on; the Llama MLP at 8K "
                "and 32K, tiled and not). Not calibrated on a GPU: TRL's fused head, more than 8 layers (the peak "
                "is extrapolated from 3 and 4), the reserve kept for the allocator")
@@ -182,7 +182,8 @@ README_END = "<!-- max-seq-simulated:end -->"
 
 
 def readme_block(results: dict[str, dict]) -> str:
-    """The README's table: per model, the longest sequence of plain HF, the best unpatched and the patched setup."""
+    """The table of docs/benchmarks.md: per model, the longest sequence of plain HF, the best unpatched and the
+    patched setup."""
     names = [s.name for s in SETUPS]
     lines = [README_START, "",
              "| model (80 GiB GPU, LoRA r=16, bf16) | (b) plain HF | (a) best unpatched (TRL fused head) | + offload "

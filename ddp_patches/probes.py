@@ -1,21 +1,8 @@
 """What each patch assumes about torch's private internals, checked when the patch is installed.
 
-# NOTE [Probed assumptions]
-# Every patch here leans on something torch does not promise: a module global that ``checkpoint()`` looks up at
-# call time, the saved-tensor hook stack, an attribute DDP sets on itself, the order in which autograd runs
-# final callbacks. A torch release may move any of them without notice; torch 2.14 did (``checkpoint()`` now
-# calls ``_checkpoint_without_reentrant_generator_impl``, so a wrapper of the old generator was never reached and
-# offload silently moved nothing). So each patch lists its assumptions (``Assumption``: a name, what it says, and
-# a check that is a signature or attribute test or a behaviour probe on a tiny CPU tensor, milliseconds), and
-# apply() runs them before installing that patch. Where one fails, that patch -- only that one -- is not
-# installed, and one WARNING line names the torch version, the patch and the assumption: a newer torch degrades
-# to "no offload" or "no swap", which is what an unpatched run does, never to a crash inside the library or a
-# wrong gradient. The other patches install as usual. The results are kept per process (a probe runs once; a
-# re-apply reuses the answer) and forgotten by revert(), so a test that breaks an internal on purpose and then
-# restores it sees the probe run again.
-# Cost at apply(): a few milliseconds for the default patches (the probes call the checkpoint function unwrapped
-# and backpropagate without an explicit gradient, which would import dynamo or sympy). Offload's probe runs a
-# non-reentrant checkpoint, which imports dynamo (about 2 s, once per process); only apply(offload=True) pays it.
+A patch lists its ``Assumption``s and calls ``verify()`` before installing itself; ``failed()`` and ``note()``
+say which patch stepped aside and why; ``has``, ``source_mentions`` and ``expect`` are the small checks the lists
+share (NOTE [Probed assumptions]).
 """
 
 from __future__ import annotations
@@ -28,11 +15,13 @@ from typing import Callable
 
 import torch
 
+from ._registry import REGISTRY
 from .distributed import log_rank0_once
+from .versions import TESTED
 
 logger = logging.getLogger("ddp_patches")
 
-TESTED_TORCH = "2.4 to 2.15"  # the lanes (README "Versions")
+TESTED_TORCH = TESTED["torch"]
 
 
 class AssumptionFailed(Exception):
@@ -50,6 +39,19 @@ class Assumption:
 _results: dict[str, tuple[str, str] | None] = {}
 
 
+# NOTE [Probed assumptions]
+# Invariant: a torch release that moves an internal a patch leans on (a module global ``checkpoint()`` looks up at
+# call time, the saved-tensor hook stack, an attribute DDP sets on itself, the order of autograd's final callbacks)
+# degrades that patch to "not installed" -- what an unpatched run does -- never to a crash inside the library or a
+# wrong gradient; the other patches install as usual.
+# Rule: each patch lists its assumptions (``Assumption``: a name, what it says, and a check: a signature or
+# attribute test or a behaviour probe on a tiny CPU tensor), and apply() runs them before installing that patch.
+# Where one fails, that patch alone is not installed and one WARNING names the torch version, the patch and the
+# assumption. Results are kept per process (a probe runs once; a re-apply reuses the answer) and forgotten by
+# revert(), so a test that breaks an internal on purpose and then restores it sees the probe run again. The
+# default patches' probes call the checkpoint function unwrapped and backpropagate without an explicit gradient,
+# so they import neither dynamo nor sympy; only offload's probe (a non-reentrant checkpoint) imports dynamo.
+# Test: tests/test_probes.py::test_a_renamed_internal_makes_one_patch_step_aside
 def verify(patch: str, assumptions: tuple[Assumption, ...], consequence: str) -> bool:
     """Run ``assumptions`` (once per process) for ``patch``; True when all hold. Otherwise log the one WARNING
     (NOTE [Probed assumptions]): ``consequence`` says what the run does without the patch."""
@@ -64,7 +66,7 @@ def verify(patch: str, assumptions: tuple[Assumption, ...], consequence: str) ->
         "probe-" + patch, logging.WARNING,
         "ddp_patches: torch %s: the %s patch steps aside: it assumes %s [%s], which does not hold on this torch "
         "(%s). %s; the other patches are unaffected. Tested with torch %s; please report this line in an issue "
-        "(README, 'A newer torch')", torch.__version__, patch, says, name, found, consequence, TESTED_TORCH)
+        "(docs/troubleshooting.md, 'A newer torch')", torch.__version__, patch, says, name, found, consequence, TESTED_TORCH)
     return False
 
 
@@ -83,8 +85,11 @@ def note(patch: str) -> str | None:
 
 
 def forget() -> None:
-    """Drop the cached results (revert() calls it)."""
+    """Drop the cached results: a later apply() probes again (NOTE [Each module forgets its own state])."""
     _results.clear()
+
+
+REGISTRY.on_reset(forget)
 
 
 def _first_failure(assumptions: tuple[Assumption, ...]) -> tuple[str, str] | None:
@@ -102,16 +107,15 @@ def _first_failure(assumptions: tuple[Assumption, ...]) -> tuple[str, str] | Non
 
 
 # NOTE [No probe thread inside an import]
-# The runner (ddp-patches-run) applies at the end of torch's own import, while this thread still holds torch's
-# module lock; a user's module may call apply() in its body, an import hook from its find_spec (under the global
-# import lock). A probe thread that touches a module still being imported (``import torch`` in a probe, while
-# torch is initialising) or any import under that global lock waits for it, and the caller waits for the thread:
-# every process the runner started hung before its first line of output. So while the calling thread is itself
-# inside the import machinery, the checks run on it. Only this thread's stack counts: another thread's import
-# cannot block the probe thread for good, and must not take the caller's context into the checks; sys.modules is
-# not scanned (reading a lazily loaded module's __spec__ runs its body). At the end of torch's import no user
-# state can exist yet (grad mode, modes and saved-tensor hooks all need torch); inside a user's import the checks
-# see that import's context, less grad mode, inference mode, the default device and autocast.
+# Invariant: apply() never hangs inside an import. The runner (ddp-patches-run) applies at the end of torch's own
+# import, while this thread still holds torch's module lock; a user's module may call apply() in its body, an
+# import hook from its find_spec (under the global import lock). A probe thread that touches a module still being
+# imported, or imports under that lock, would wait for it while the caller waits for the thread.
+# Rule: while the calling thread is itself inside the import machinery (its own stack only: another thread's
+# import cannot block the probe thread for good; sys.modules is not scanned, as reading a lazily loaded module's
+# __spec__ runs its body), the checks run on it, with grad mode, inference mode, the default device and autocast
+# reset around them. At the end of torch's import no user state can exist yet.
+# Test: tests/test_probes.py::test_apply_inside_an_import_does_not_hang
 def _inside_an_import() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
@@ -122,16 +126,15 @@ def _inside_an_import() -> bool:
 
 
 # NOTE [Probes test torch, not the caller's context]
-# apply() may run anywhere: under torch.inference_mode() or no_grad, inside ``with torch.device("meta")`` (a model
-# built on the meta device), inside the user's own saved_tensors_hooks / save_on_cpu() /
-# disable_saved_tensors_hooks, under a FakeTensorMode or another dispatch or function mode, under autocast or
-# vmap -- and the runner's deferred apply() runs inside init_process_group, wherever that is called. Run there, a
-# behaviour probe failed (inference tensors cannot be saved for backward; meta tensors have no values; the hook
-# stack was disabled) and its cached result turned a patch off for the whole process, with a WARNING blaming
-# torch; the user's pack hooks and modes also saw the probe's tensors. Every one of those states is per thread in
-# torch, so the checks run on a fresh thread, which starts with none of them: grad on, no inference mode, CPU
-# device, no autocast, no modes, no saved-tensor hooks. Nothing process-wide is changed (the default dtype is
-# not touched: the probes give their tensors a dtype).
+# Invariant: a probe's verdict depends on torch alone, never on where apply() runs: under inference_mode() or
+# no_grad, inside ``with torch.device("meta")``, the user's saved_tensors_hooks / save_on_cpu() /
+# disable_saved_tensors_hooks, a FakeTensorMode or another mode, autocast or vmap, or inside init_process_group
+# (the runner's deferred apply()). Run there, a behaviour probe fails and its cached result turns a patch off for
+# the whole process, with a WARNING blaming torch; the user's pack hooks and modes would also see its tensors.
+# Rule: every one of those states is per thread in torch, so the checks run on a fresh thread, which starts with
+# none of them (NOTE [No probe thread inside an import] gives the one exception). Nothing process-wide is changed:
+# the default dtype is not touched, the probes give their tensors a dtype.
+# Test: tests/test_probes.py::test_the_callers_context_does_not_fail_a_probe
 def _run_checks(assumptions: tuple[Assumption, ...]) -> tuple[str, str] | None:
     for assumption in assumptions:
         try:

@@ -1,73 +1,10 @@
-"""Mechanism 2b: every trainable parameter's DDP hook fires exactly once per synced backward.
+"""Every trainable parameter's DDP hook fires exactly once per synced backward, whatever the data.
 
-# NOTE [Unused parameters without find_unused_parameters]
-# DDP's reducer expects one AccumulateGrad hook per trainable parameter per synced backward. A parameter that
-# gets no gradient (LoRA on a vision tower and a text-only batch, an idle expert, a branch not taken, a tower run
-# under no_grad, the last CLIP layer of Llava that feeds nothing) fires none: with find_unused_parameters=False the
-# reducer raises "Expected to have finished reduction in the prior iteration" (gloo) or hangs (NCCL), and
-# static_graph=True rejects a graph that changes. The usual cure, find_unused_parameters=True, costs on every step
-# (a graph search, an all-reduce of the used-parameter map, no bucket rebuild, a clone of every output) and breaks
-# patterns that work without it: accelerate's ``trigger_sync_in_backward`` calls ``prepare_for_backward([])``,
-# which then marks every parameter unused before its real hook marks it again ("marked as ready twice"), and
-# PowerSGD's hook falls out of step.
-#
-# So the DDP setting is left as the user (or the Trainer) chose it, and the backward is made to satisfy it. The
-# decision "which parameters got no gradient" is taken where it can be known, at the END of the backward, not when
-# the forward ends: a forward cannot see a reentrant checkpoint that the loss applies outside it (the chunked-loss
-# pattern), nor a reentrant Function that uses ``self.head.weight`` directly, yet both fire their hooks later, in
-# a nested graph task, and a parameter decided "unused" at forward end then got its hook twice.
-#   * A Python post-hook on each trainable parameter's AccumulateGrad node records that it ran, in whatever graph
-#     task (nested ones included). One Python call per parameter per backward: cheaper than walking the graph.
-#   * The DDP's outputs pass through ``_BackwardStart`` (an identity; the outputs are aliases, ``detach()``, not
-#     copies, so in-place edits such as ``logits.div_(temperature)`` keep working). It sits above DDP's own
-#     ``_DDPSink``, so its backward runs first and queues ``_settle`` as the graph task's first final callback:
-#     before static_graph's delayed all-reduce, and after every nested (reentrant) backward has finished.
-#   * ``_settle`` runs AccumulateGrad once, in one small nested backward, for each parameter whose node did not
-#     run: with an undefined gradient (it leaves ``.grad`` alone; DDP's hook marks the parameter ready with a zero
-#     bucket slot, the case reducer.cpp documents as "hooks can be fired with undefined grads"), or under
-#     static_graph with a defined zero (NOTE [Static graph needs a defined zero]). The average over ranks is
-#     exactly what find_unused_parameters=True gives.
-# The rule is the same on every rank and every iteration (every parameter fires once), which is what static_graph
-# asks for: a tower run under no_grad on some steps or ranks is never a graph change.
-#
-# NOTE [Unused everywhere ends with grad None]
-# After the reducer has written its averages (a second callback, queued behind DDP's own finalize), one small
-# all-reduce over the DDP's process group counts, per parameter, the ranks on which it had no gradient before
-# ``_settle`` fired it. A parameter that no rank used gets ``.grad = None``, as with find_unused_parameters=True
-# and as in a single process, so AdamW's weight decay and momentum leave it alone. NOTE [One collective per
-# reduction, on every rank] says when it runs; its cost is one all-reduce of one float per trainable parameter
-# per synced step (benchmarks/ddp_overhead.py measures it).
-#
-# NOTE [One collective per reduction, on every rank]
-# A collective that one rank issues and another does not pairs with the wrong call on the other side: a hang, a
-# gloo size error, or with NCCL, buffers of equal size mixed silently. So the count-all-reduce follows exactly the
-# collectives DDP itself issues for a backward, and nothing else:
-#   * It runs once per reduction of the reducer, i.e. once per synced backward that accumulates into the DDP's
-#     parameters after a forward with grad enabled (the forward that makes DDP call prepare_for_backward). The
-#     trigger is the FIRST of two events in that backward's graph task: ``_BackwardStart`` (a backward through
-#     the outputs) or the post-hook of any of the DDP's AccumulateGrad nodes (a backward that reaches the
-#     parameters but not the outputs: ``sum(p.sum() for p in params) * 0``, the "keep every hook firing" idiom
-#     of detection and MoE code). DDP reduces in both, so both settle. One settle per forward: the forward arms
-#     it, the first trigger disarms it.
-#   * Whether it runs is decided as DDP decides whether this backward reduces: by the FORWARD (``_post_forward``
-#     prepares the reducer and sets ``require_forward_param_sync`` when grad mode and sync are on; accelerate's
-#     ``trigger_sync_in_backward`` sets it with its own ``prepare_for_backward``), not by ``no_sync()`` around the
-#     backward alone, and by settings equal on every rank (``needed``); never by what this rank's data did. A rank
-#     that used every parameter still joins it (with zeros). The joined rank's shadow reads the same flag, which
-#     DDP's join hook sets from the peers' forward. (Read at the end of the backward instead, a forward under
-#     ``no_sync`` with its backward outside, or the reverse, made the ranks disagree under Join: a gloo size
-#     mismatch; found by review.)
-#   * Under ``Join`` (uneven inputs), a rank that ran out of data shadows DDP's collectives through DDP's join
-#     hook (``_DDPJoinHook.main_hook``: the bucket all-reduces of each backward its peers run). The library wraps
-#     that hook (``_JoinShadow``): right after DDP's own shadowing, and only when the peers synchronise this
-#     backward, the joined rank issues the same count-all-reduce with "no gradient here" for every parameter.
-#     So the sequence on every rank is: DDP's forward collectives, DDP's bucket all-reduces, ours; next iteration.
-#   * Comm hooks, static graph and ``no_sync`` change what DDP sends or when, not whether a reduction happens;
-#     ours is issued after DDP's finalize on the DDP's own process group, so it follows them.
-# No host synchronisation is added where this rank used every parameter: the reduced counts are read on the host
-# only by a rank that had a parameter without a gradient (only there can a parameter turn out unused
-# everywhere). That read waits for the device (DDP's own find_unused_parameters=True reads its used-map every
-# step the same way); a step where every rank used every parameter reads nothing back.
+``install(ddp)`` attaches ``UnusedParameterEdges`` to a DDP built under apply(); where the reducer does not search
+for unused parameters itself (``needed``), a parameter without a gradient fires its hook with none, and one that no
+rank used ends with ``.grad`` None (NOTE [Unused parameters without find_unused_parameters]).
+``patch_join_hook`` and ``patch_finalize_backward`` keep that in step with Join and manual finalization;
+``needs_defined_zero``, ``map_tensors`` and ``for_ddp`` serve the tiled MLP and the other reducer patches.
 """
 
 from __future__ import annotations
@@ -124,26 +61,18 @@ class _FireHooks(torch.autograd.Function):
 
 
 # NOTE [Unused parameters marked where DDP marks them]
-# Collectives pair by order on a process group. DDP's find_unused_parameters=True marks the parameters its graph
-# search cannot reach ready at the first hook of the backward; a hook fired at the END of the backward instead
-# moves its bucket's all-reduce behind every other collective issued on the group during the backward (a second
-# DDP's buckets, a differentiable all-reduce, SyncBatchNorm) on the rank that lacked the gradient, and not on the
-# others: buffers of equal size mix silently, unequal ones abort. So the rule is:
-#   * At the start of the backward through the DDP's outputs (``_BackwardStart``), a parameter whose AccumulateGrad
-#     this graph task will not execute (``torch._C._will_engine_execute_node``) fires there, where DDP itself marks
-#     unused parameters, if the task executes some other parameter's (it accumulates: not ``autograd.grad`` or
-#     ``backward(inputs=x)``) and no custom autograd Function in the DDP's graph may run a nested backward that
-#     accumulates it (a reentrant checkpoint: ``walk_graph``; Functions known to run none are listed by name).
-#   * The end of the backward fires only what is left: parameters a nested backward could have reached, or whose
-#     node ran without reaching AccumulateGrad. A parameter fired there on every rank is in the same place
-#     everywhere. The count-all-reduce also counts the ranks that fired each parameter late; where one
-#     was late here but not everywhere, while another collective ran on the group in this backward (another DDP
-#     of the group in this graph task, a collective Function in the graph), the rank raises before any optimizer
-#     step, naming the fixes (a group of its own, find_unused_parameters=True, a non-reentrant Function).
-# The walk starts from every forward's start node since the last settle (two forwards of one DDP in one loss)
-# and runs only in a backward with an unreachable parameter. Tests: tests/test_reach_order.py (two DDPs on one
-# group, an ensemble and a GAN step, equal and unequal buckets; an all-reduce inside the model) and
-# tests/test_reach.py (reentrant regions the forward cannot see keep the end-of-backward path).
+# Invariant: a parameter fired without a gradient has its bucket all-reduced in the same place among the group's
+# collectives on every rank. Collectives pair by order; DDP's find_unused_parameters=True marks unreachable
+# parameters at the first hook of the backward, and a hook fired at the END instead moves its bucket behind every
+# other collective of the backward (a second DDP on the group, a differentiable all-reduce, SyncBatchNorm) on the
+# rank that lacked the gradient only: buffers of equal size mix silently, unequal ones abort.
+# Rule: at ``_BackwardStart``, a parameter whose AccumulateGrad this graph task will not run
+# (``torch._C._will_engine_execute_node``) fires there, if the task accumulates into some other parameter and no
+# custom Function in the DDP's graph may run a nested backward that reaches it (``walk_graph``, from every
+# forward's start node since the last settle; Functions known to run none are listed by name). The end of the
+# backward fires only what is left. Where a parameter fired late here but not on every rank while another
+# collective ran on the group in this backward, the rank raises before any optimizer step, naming the fixes.
+# Test: tests/test_reach_order.py::test_two_ddps_on_one_group_train_exactly.
 _NO_NESTED_BACKWARD = frozenset({
     "torch.nn.parallel.distributed._DDPSink", "torch.utils.hooks.BackwardHookFunction",
     "torch.nn.modules._functions.SyncBatchNorm", "torch.nn.modules._functions.CrossMapLRN2d",
@@ -192,14 +121,16 @@ def walk_graph(nodes: list) -> GraphFacts:
 
 
 # NOTE [Firing many hooks at once]
-# A parameter's AccumulateGrad, given no gradient, writes nothing and calls its post-hooks, DDP's among them, which
-# calls ``reducer._autograd_hook(i)`` (i: the parameter's place in the reducer's list, ``_build_params_for_reducer``).
-# Running it through a nested backward (``_FireHooks``) cost 58 ms per step for 8,700 idle LoRA experts, plus the
-# reducer's finalize inside it (benchmarks/ddp_overhead --config many-tensors); calling the reducer's hook directly
-# does the same marking without the graph. The reducer then queues its finalize in the backward being settled,
-# ahead of the reset. Where that cannot be mapped exactly (no ``_autograd_hook``, a parameter the reducer does not
-# list), and under static graph (its first iteration learns "used" from defined gradients, so the fired hook must
-# carry a zero that AccumulateGrad writes: NOTE [Static graph needs a defined zero]), the nested backward stays.
+# Invariant: a parameter fired without a gradient is marked ready exactly as its AccumulateGrad would mark it,
+# at a cost that does not grow with a graph. Given no gradient, AccumulateGrad writes nothing and calls its
+# post-hooks, DDP's among them, which calls ``reducer._autograd_hook(i)`` (i: the parameter's place in the
+# reducer's list, ``_build_params_for_reducer``).
+# Rule: call the reducer's hook directly, without a nested backward; the reducer then queues its finalize in the
+# backward being settled, ahead of the reset. Where the mapping is not exact (no ``_autograd_hook``, a parameter
+# the reducer does not list), and under static graph (its first iteration learns "used" from defined gradients, so
+# the fire must carry a zero that AccumulateGrad writes: NOTE [Static graph needs a defined zero]), the nested
+# backward through ``_FireHooks`` stays.
+# Test: tests/test_reach_protocol.py::test_join_with_a_branch_idle_on_some_ranks_matches_a_single_process.
 def _reducer_index(ddp: nn.Module, params: list) -> list[int] | None:
     """Each of ``params``' place in the reducer's list, or None where the direct call cannot be used."""
     reducer, build = getattr(ddp, "reducer", None), getattr(ddp, "_build_params_for_reducer", None)
@@ -214,13 +145,14 @@ def _reducer_index(ddp: nn.Module, params: list) -> list[int] | None:
 
 
 # NOTE [Static graph needs a defined zero]
-# With static_graph=True the reducer decides in its first iteration which parameters are unused, from the
-# gradients that are *defined* when their hooks fire, and never again: a parameter first seen with an undefined
-# gradient is treated as unused in every later step, its averaged gradient is never written back, and the ranks
-# drift apart without an error (measured: 0.82 relative gradient error for a parameter used every other step).
-# So under static_graph the fired hook carries a real zero, the parameter counts as used in every iteration, and
-# the averaged gradient is written every step. ``static_graph`` is read when the backward ends, not when the DDP
-# was built: ``ddp._set_static_graph()`` after construction is common ("to allow checkpointing").
+# Invariant: under static_graph, a parameter fired without a gradient still gets its averaged gradient written
+# every step. The reducer decides in its first iteration which parameters are unused, from the gradients that are
+# *defined* when their hooks fire, and never again: one first seen with an undefined gradient is treated as unused
+# in every later step, its average is never written back, and the ranks drift apart without an error.
+# Rule: under static_graph the fired hook carries a real zero, so the parameter counts as used in every iteration.
+# ``static_graph`` is read when the backward ends, not when the DDP was built: ``ddp._set_static_graph()`` after
+# construction is common ("to allow checkpointing").
+# Test: tests/test_reach.py::test_static_graph_set_after_construction_is_correct.
 
 
 def needed(ddp: nn.Module) -> bool:
@@ -228,6 +160,20 @@ def needed(ddp: nn.Module) -> bool:
     return not ddp.find_unused_parameters or bool(getattr(ddp, "static_graph", False))
 
 
+# NOTE [Unused parameters without find_unused_parameters]
+# Invariant: where the reducer does not search for unused parameters itself (find_unused_parameters=False, or
+# static_graph), every trainable parameter fires its DDP hook exactly once per synced backward, whatever the data
+# (a tower on a text-only batch, an idle expert, a branch not taken, a tower under no_grad). Otherwise the reducer
+# raises "Expected to have finished reduction in the prior iteration" (gloo) or hangs (NCCL), and static_graph
+# rejects a graph that changes. The DDP settings stay the user's: find_unused_parameters=True costs every step and
+# breaks patterns that work without it (accelerate's ``trigger_sync_in_backward``, PowerSGD).
+# Rule: a post-hook on each parameter's AccumulateGrad node records that it ran, in any graph task (nested
+# reentrant ones included). ``_BackwardStart``, an identity on the outputs above DDP's ``_DDPSink``, queues
+# ``_settle`` as the backward's first final callback, so it runs after every nested backward. ``_settle`` fires
+# each parameter whose node did not run, with no gradient (DDP's hook marks it ready with a zero slot, as
+# reducer.cpp allows) or with a defined zero under static graph: the average over ranks is what
+# find_unused_parameters=True gives. Where it fires: NOTE [Unused parameters marked where DDP marks them].
+# Test: tests/test_reach.py::test_a_layer_that_runs_and_feeds_nothing_trains_with_ddp_defaults.
 class UnusedParameterEdges:
     """Per DDP instance: make each trainable parameter's hook fire once per synced backward."""
 
@@ -251,13 +197,15 @@ class UnusedParameterEdges:
         self._nodes: list[Any] = [get_gradient_edge(p).node for p in self._params]
         self._reducer_index = _reducer_index(ddp, self._params)  # NOTE [Firing many hooks at once]
         self._active = False
-        self._armed: weakref.ref | None = None  # the DDP whose forward awaits its settle (NOTE [One collective...])
+        # The DDP whose forward awaits its settle: NOTE [One collective per reduction, on every rank].
+        self._armed: weakref.ref | None = None
         self._pending_reset: tuple | None = None  # (indices without a gradient here, their reduced counts, world)
         self._finalized_in_backward = False  # torch >= 2.15 manual finalization ran from a backward hook
         self._retired = False
         self.attached_last = 0  # parameters fired by the last settle (tests, the doctor)
         self._settling_task = -1  # the graph task whose end settles (one settle per backward)
-        self._early: list[int] = []  # fired at the start of this backward (NOTE [Unused parameters marked ...])
+        # Fired at the start of this backward: NOTE [Unused parameters marked where DDP marks them].
+        self._early: list[int] = []
         self._early_no_grad: list[int] = []  # of those, the ones without a gradient before they fired
         self._graph: GraphFacts | None = None  # what the walk at the start of this backward found
         self._starts: list[weakref.ref] = []  # the _BackwardStart nodes of the forwards since the last settle
@@ -404,8 +352,9 @@ class UnusedParameterEdges:
             first = (early or late)[0]
             log_rank0_once("unused-edges", logging.INFO,
                            "ddp_patches: %d trainable parameter(s) got no gradient in this backward (e.g. %s); each "
-                           "fires its DDP hook once with no gradient (NOTE [Unused parameters without "
-                           "find_unused_parameters] in ddp_patches/reach.py)", len(early) + len(late),
+                           "fires its DDP hook once with no gradient "
+                           "(NOTE [Unused parameters without find_unused_parameters] in ddp_patches/reach.py)",
+                           len(early) + len(late),
                            self._names[first])
         context = self._other_collectives(ddp, graph) if late else None
         self._culprit = graph.may_nest if graph is not None else "not walked"
@@ -443,6 +392,14 @@ class UnusedParameterEdges:
             "Function non-reentrant (NOTE [Unused parameters marked where DDP marks them] in "
             "ddp_patches/reach.py).")
 
+    # NOTE [Unused everywhere ends with grad None]
+    # Invariant: a parameter that no rank used in a synced step ends with ``.grad`` None, as with
+    # find_unused_parameters=True and in a single process, so AdamW's weight decay and momentum leave it alone.
+    # Rule: after the reducer has written its averages (a second callback, queued behind DDP's own finalize), one
+    # all-reduce of one float per trainable parameter over the DDP's group counts the ranks on which it had no
+    # gradient before ``_settle`` fired it; where that count is the world size, ``.grad`` is set back to None.
+    # When it runs: NOTE [One collective per reduction, on every rank].
+    # Test: tests/test_reach.py::test_unused_everywhere_ends_with_grad_none_and_adamw_matches_find_unused.
     def _reset_unused_everywhere(self, ddp: nn.Module, no_grad: list[int], late: list[int] = (),
                                  context: str | None = None) -> None:
         """NOTE [Unused everywhere ends with grad None]; read back only where this rank had a parameter without
@@ -503,25 +460,38 @@ class UnusedParameterEdges:
         torch.distributed.all_reduce(counts, group=group)  # no gradient anywhere here; fired late nowhere
 
 
-# NOTE [Only a backward that accumulates]
-# ``torch.autograd.grad`` through the outputs (an input gradient for saliency or an adversarial step, a gradient
-# penalty) runs no AccumulateGrad node, so DDP's hooks do not fire in it and the reducer waits for the loss's own
-# backward. Firing "missing" hooks there would finalize the reducer with zeros, and the real hooks after it would
-# be ignored (measured: 1.25 relative gradient error). So no settle is queued in ``autograd.grad`` (the engine,
-# asked about a leaf it does not differentiate for there, raises), and a settle queued in a ``backward()`` acts
-# only if some AccumulateGrad of the DDP's parameters ran during it, nested graph tasks included: a
-# ``backward(inputs=[x])`` for an input gradient runs none, while a custom reentrant checkpoint (Unsloth's
-# offloading Function) runs them all in nested backwards that the outer graph cannot see (its forward ran under
-# no_grad), and must be settled at the END of the outer backward, never at the end of a nested one (settled there,
-# the reducer finalized with the other layers' hooks still to come: ranks drifted apart silently, unsloth#3713).
-# Where nothing ran, the forward's reduction is still to come: armed again. ``backward(inputs=...)`` naming only
-# some parameters is taken as a full backward: the others would be fired (section "Limits" of the fix document).
+# NOTE [One collective per reduction, on every rank]
+# Invariant: the count-all-reduce is issued exactly once per reduction DDP itself does, on every rank, after DDP's
+# own collectives: a collective one rank issues and another does not pairs with the wrong call (a hang, a gloo
+# size error, or with NCCL buffers of equal size mixed silently).
+# Rule: a forward after which DDP reduces (grad mode and sync on, or accelerate's ``trigger_sync_in_backward``)
+# arms one settle; the FIRST of ``_BackwardStart`` (a backward through the outputs) and a post-hook of the DDP's
+# AccumulateGrad nodes (a loss that reaches the parameters but not the outputs, such as
+# ``sum(p.sum() for p in params) * 0``) disarms it and settles. Whether it runs is read from what the forward
+# decided (below) and from settings equal on every rank (``needed``), never from ``no_sync()`` around the
+# backward alone nor from this rank's data.
+# Under ``Join``, a rank out of data issues the same all-reduce ("no gradient here" everywhere) right after DDP's
+# join hook has shadowed the bucket all-reduces, when the peers synchronise (``_JoinShadow``). The reduced counts
+# are read back on the host only by a rank that had a parameter without a gradient.
+# Test: tests/test_reach_protocol.py::test_join_with_no_sync_around_the_forward_or_the_backward_only.
 def _reducer_prepared(ddp: nn.Module) -> bool:
-    """Whether the last forward prepared DDP's reducer for a reduction (NOTE [One collective per reduction, on
-    every rank])."""
+    """Whether the last forward prepared DDP's reducer for a reduction (``require_forward_param_sync``)."""
     return bool(getattr(ddp, "require_forward_param_sync", ddp.require_backward_grad_sync))
 
 
+# NOTE [Only a backward that accumulates]
+# Invariant: a backward that accumulates into none of the DDP's parameters fires no hook and settles nothing.
+# ``torch.autograd.grad`` through the outputs (saliency, an adversarial step, a gradient penalty) and
+# ``backward(inputs=[x])`` run no AccumulateGrad node, so DDP's hooks do not fire and the reducer waits for the
+# loss's own backward; firing "missing" hooks there would finalize the reducer with zeros and ignore the real
+# hooks after it (silently wrong gradients).
+# Rule: no settle is queued inside ``autograd.grad`` (the engine, asked there about a leaf it does not
+# differentiate for, raises), and a settle queued in a ``backward()`` acts only if some AccumulateGrad of the DDP's
+# parameters ran in it, nested graph tasks included (a custom reentrant Function runs them in nested backwards the
+# outer graph cannot see: the settle is at the end of the OUTER backward). Where nothing ran, the forward's
+# reduction is still to come: armed again. ``backward(inputs=...)`` naming only some parameters is taken as a
+# full backward (the others are fired).
+# Test: tests/test_reach.py::test_autograd_grad_through_the_outputs_fires_nothing.
 def _in_autograd_grad(nodes: list) -> bool:
     try:  # any one leaf tells: the engine raises for every leaf while it runs autograd.grad()
         torch._C._will_engine_execute_node(nodes[0]) if nodes else None
@@ -546,8 +516,8 @@ class _Recorder:
 
 
 class _JoinShadow(JoinHook):
-    """DDP's join hook, followed by the count-all-reduce its peers issue (NOTE [One collective per reduction, on
-    every rank])."""
+    """DDP's join hook, followed by the count-all-reduce its peers issue
+    (NOTE [One collective per reduction, on every rank])."""
 
     def __init__(self, inner: JoinHook, ddp: nn.Module, edges: UnusedParameterEdges) -> None:
         self.inner, self.ddp, self.edges = inner, ddp, edges
@@ -577,6 +547,7 @@ def _patched_join_hook(original_join_hook):
 # is ready). The count-all-reduce is still issued at the end of the backward, in the same place in the sequence of
 # collectives, but setting ``.grad = None`` before the write-back would be undone by it: so the reset waits for
 # ``finalize_backward()`` (wrapped on the class), or runs at the end of the backward when a hook already called it.
+# Test: tests/test_reach_protocol.py::test_torch_2_15_ddp_options_with_a_parameter_no_rank_used.
 def _patched_finalize_backward(original_finalize_backward):
     def finalize_backward(self):
         original_finalize_backward(self)
@@ -615,6 +586,7 @@ def _is_graph_output(t: Any) -> bool:
 # @dataclass as one leaf without tensors. So pytree takes what it knows (tuples, namedtuples, dicts, transformers'
 # ModelOutput), and a dataclass leaf is looked into field by field (in place: its fields are what the caller
 # reads; a frozen one too).
+# Test: tests/test_reach.py::test_dataclass_outputs_are_rescued.
 def map_tensors(output: Any, select: Callable[[Any], bool], apply: Callable[[list], tuple]) -> Any:
     """Replace the tensors ``select`` picks in ``output`` with ``apply(all of them)``'s results, in order."""
     slots: list[tuple[Any, ...]] = []  # ("leaf", index) or ("field", obj, name)
@@ -756,6 +728,6 @@ ASSUMPTIONS = (
                       "require_forward_param_sync (NOTE [One collective per reduction, on every rank])",
                       _check_join_hook),
     probes.Assumption("autograd-hooks", "AccumulateGrad post-hooks, torch._C._current_graph_task_id, "
-                      "torch._C._will_engine_execute_node and final callbacks queued from a backward run as NOTE "
-                      "[Unused parameters without find_unused_parameters] describes", _check_autograd_hooks),
+                      "torch._C._will_engine_execute_node and final callbacks queued from a backward run as "
+                      "NOTE [Unused parameters without find_unused_parameters] describes", _check_autograd_hooks),
 )

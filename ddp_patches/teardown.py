@@ -1,107 +1,9 @@
-"""Mechanism 2c: a DDP's reducer and its process group are released when the group is destroyed, not at exit.
+"""A DDP's reducer and its process group are released when the group is destroyed, not at exit.
 
-# NOTE [Reducer outliving its process group]
-# Seen here (TRL's sft.py, 2 gloo ranks, unpatched, py-spy): the main thread frees the Trainer's DDP, pybind11
-# deallocates its ``Reducer`` with the GIL held (``dealloc_without_manipulating_gil``), ``~Reducer`` drops the last
-# reference to the process group, and ``~ProcessGroupGloo`` joins the group's worker threads -- while one worker is
-# still destroying its last finished ``AsyncAllgatherWork``, whose tensor decref needs the GIL. A deadlock, with
-# or without this library (reported in one run of six; about one in eighteen here). torch guards the process group's own Python handle against
-# exactly this (its holder releases the GIL before the destructor runs); the Reducer's holder does not. It
-# happens whenever a DDP outlives ``destroy_process_group`` -- transformers >= 5.18 calls it from ``trainer.end()``
-# while the Trainer still holds the DDP model.
-#
-# So the reducer must never hold the last reference to its group. Just before a group is destroyed, every DDP
-# built under apply() on that group drops its reducer (and the logger that shares it) while the group registry
-# and ``ddp.process_group`` still reference the group, then drops ``process_group``. ~Reducer then frees no
-# group, and the group's own destructor runs afterwards through its GIL-releasing handle. The DDP object stays
-# usable for everything that needs no communication: NOTE [A DDP after its group was destroyed].
-#
-# NOTE [A DDP after its group was destroyed]
-# With its reducer gone a DDP must still do, as the plain module would, what needs no collective: state_dict(),
-# evaluation with or without grad mode, the input gradient of an output (saliency maps, adversarial evaluation),
-# local accumulation under no_sync(). Only a real collective may fail, and then clearly. What DDP asks of its
-# reducer and logger (torch 2.13 _pre_forward / _post_forward), and what the stand-in, ReleasedReducer, answers:
-#   * grad mode on and require_backward_grad_sync: logger.set_runtime_stats_and_log() and
-#     reducer.prepare_for_forward(): bookkeeping, nothing to do.
-#   * grad mode on: reducer._rebuild_buckets(), a broadcast of bucket indices once, at the first forward after
-#     the first backward. No reducer, no buckets: False ("not rebuilt"), and no collective.
-#   * after the module, grad mode on and require_backward_grad_sync: reducer.prepare_for_backward(outputs), which
-#     arms the reducer's autograd hooks (expect_autograd_hooks_); the stand-in arms its refusal (below).
-#   * logger.set_error_and_log(message), which DDP's _log_and_throw calls before raising: nothing, so DDP's own
-#     error is the one raised.
-#   Anything else (join, comm hooks, _set_static_graph, the static graph's first delayed all-reduce in _DDPSink)
-#   configures or runs communication, and raises the stand-in's error naming it.
-# A backward: the reducer hooked each trainable parameter's AccumulateGrad node and, once armed, all-reduces what
-# they accumulate. ~Reducer removed those hooks, so a backward would now write local, unaveraged gradients without
-# a word. So the stand-in mirrors the reducer's flag: armed by prepare_for_backward, a pre-hook on each of those
-# nodes -- held by the stand-in, as the reducer held them -- raises in the first backward that reaches them, before
-# anything is accumulated, and disarms, as that backward's finished reduction would have cleared the reducer's
-# flag (the rest of that graph task is refused too). So after the error, the advice in it works: a backward of a
-# forward through ``ddp.module`` or under no_sync() accumulates locally. A node pre-hook runs only when the node
-# runs: ``torch.autograd.grad`` of an output w.r.t. the input (or the parameters) runs no AccumulateGrad node,
-# so no DDP hook either (NOTE [Only a backward that accumulates] in ddp_patches/reach.py), and works as without
-# the library; so does a backward under no_sync() or through ``ddp.module`` while no synced forward is pending.
-# Measured unpatched (torch 2.13, gloo, 2 ranks in lockstep): after destroy_process_group the old reducer still
-# all-reduces over the shut-down group; that cannot outlive freeing the group (the note above), so here it is an
-# error that says what to do. A new DDP on the same module shares these nodes: its construction under apply() retires the
-# released stand-ins' hooks (track()), so the refusal does not follow the module.
-# Buffers: before a forward that follows a training forward, a DDP with buffers and broadcast_buffers=True
-# broadcasts them from rank 0 through ``_distributed_broadcast_coalesced`` (DDP's only caller of
-# dist._broadcast_coalesced). With ``process_group`` None that binding gets a null group and segfaults (measured:
-# an eval forward of a BatchNorm model under no_grad killed both ranks). Skipping it would leave each rank its own
-# buffers where DDP gives rank 0's, so on a released DDP that method is replaced, on the instance, by a clear
-# error.
-#
-# NOTE [Groups held by default arguments]
-# Releasing the reducer is not enough for the group to go: some torch modules write ``group=group.WORLD`` in a
-# signature (torch.distributed.nn.functional, which DDP's constructor imports lazily; ZeroRedundancyOptimizer's
-# _broadcast_object; ShardedGradScaler), and imported while a default group exists, each such default holds that
-# group object for the life of the process (ten references after the first DDP; measured here with
-# sys.getrefcount). destroy_process_group then frees nothing: ~ProcessGroupGloo never runs and its worker threads
-# live until interpreter exit. A worker that is still destroying its last finished allgather when the interpreter
-# finalizes asks for the GIL, is told to exit, and the forced unwind through a noexcept destructor aborts the
-# process after a completed run: "terminate called without an active exception", exit code -6 (seen here in 1 of
-# 40 runs of TRL's sft.py, patched and unpatched alike; the core shows the worker in ~AsyncAllgatherWork ->
-# THPVariable_clear -> take_gil -> PyThread_exit_thread). So after the group is destroyed, every default argument
-# of those modules' functions that still holds a group no longer registered is set to None, which they pass on to
-# torch.distributed, where None means the default group at call time. The group is then freed inside
-# destroy_process_group, through its own GIL-releasing handle. This is one-way (revert() puts no dead group back):
-# a dead group in a default argument fails a later call or, worse, runs it on the destroyed group (measured:
-# torch.distributed.nn.functional.all_reduce after a re-init), whereas None finds the newly created group.
-# Not covered: an instance that holds the group itself (a ZeroRedundancyOptimizer or ShardedGradScaler alive at
-# destroy keeps ``self.process_group``), as without the library; NOTE [A pause at exit] covers what is left.
-#
-# NOTE [A pause at exit]
-# The abort needs no leftover group: a collective's work holds its tensors, and when Python has already dropped
-# them (``dist.all_gather([torch.zeros(n), ...], torch.ones(n))``, temporaries, as accelerate's gather and TRL's
-# metrics do) the worker thread frees them after the caller's wait() returned, and must take the GIL to do it.
-# The main thread holds the GIL; if it reaches interpreter finalization within the few milliseconds before it
-# hands the GIL over, the worker is told to exit and the process aborts. Measured with a 3-line script (three
-# such all_gathers on 2 gloo ranks, then exit, group never destroyed): 15 of 20 runs abort; with a 50 ms sleep
-# registered with atexit (atexit callbacks run before finalization, and a sleep releases the GIL), 0 of 20. It
-# is also what remained of the abort in TRL's sft.py after the fix above (1 of 10 patched runs on CI's 2 cores).
-# So the teardown patch registers such a pause, which runs in a process that was distributed (world size > 1)
-# and costs it EXIT_PAUSE_S at exit (0.1 s, twice the measured 50 ms, for headroom on a loaded machine); revert()
-# unregisters it. Both it and the patched destroy_process_group ask world_is_distributed(), never is_distributed():
-# the latter's first call runs the on-first callbacks (an import of torch._dynamo, ~1.5 s), a cost a script that
-# only ran collectives must not pay while it shuts down. It cannot help a collective still running at exit
-# (async_op=True left unwaited): that work frees its tensors after finalization began, with or without us.
-#
-# NOTE [Freeing a group needs a GIL-free destructor]
-# Both notes above end with the group freed inside destroy_process_group, "through its own GIL-releasing handle".
-# That handle came with torch 2.8 (pytorch#154976). Before it, the last decref of a ProcessGroup runs
-# ~ProcessGroupGloo with the GIL held, and that joins the worker threads -- one of which may still be destroying a
-# finished allgather of temporaries and waiting for the GIL: the deadlock of the first note, inside
-# destroy_process_group. torch 2.4 and 2.7 have it without the library: init, three all_gathers of temporaries,
-# destroy_process_group, on 2 gloo ranks, hangs in 9 of 20 runs on torch 2.4.0 and 6 of 20 on 2.7.1 (py-spy:
-# MainThread in ~ProcessGroupGloo -> thread::join, the worker in ~AsyncAllgatherWork -> gil_scoped_acquire), 0 of
-# 20 on 2.8.0 and 0 of 25 on 2.13. With a DDP alive it did not happen there unpatched, because the DDP kept the
-# group to exit; releasing the reducer first moved the last decref into destroy_process_group and so into the
-# deadlock (the oldest lane's CI run; 2 of 16 patched runs of that test's script here). The deadlock needs a
-# worker that has not yet freed a finished collective, so on torch < 2.8 the patched destroy_process_group first
-# sleeps EXIT_PAUSE_S, which releases the GIL, as the pause at exit does: the same 2.4 script with a 0.1 s sleep
-# before destroy_process_group hangs in 0 of 20 runs. It is a pause, not a proof: a worker descheduled for longer
-# can still deadlock, as it can without the library. apply()'s report names the pause on such a torch.
+``install()`` patches ``torch.distributed.destroy_process_group``: before the group goes, every DDP built under
+apply() on it (``track``) is ``release``d to a ``ReleasedReducer`` stand-in; afterwards torch's default arguments
+that still hold the dead group are cleared (``forget_dead_groups_in_defaults``). It also registers a short pause
+at exit (``pause_for_collective_workers``); ``revert()`` undoes both.
 """
 
 from __future__ import annotations
@@ -151,10 +53,24 @@ BUFFER_BROADCAST = _destroyed(
     "destroy_process_group.")
 
 
+# NOTE [A DDP after its group was destroyed]
+# Invariant: a released DDP still does, as the plain module would, all that needs no collective: state_dict(),
+# evaluation with or without grad mode, ``autograd.grad`` of an output w.r.t. the input, local accumulation under
+# no_sync(). Only a real collective fails, and then clearly, never silently.
+# Rule: ``ReleasedReducer`` stands in for the reducer and the logger. It answers what DDP's forward asks without a
+# collective (``prepare_for_forward``, ``_rebuild_buckets`` -> False, ``set_error_and_log`` so DDP's own error is
+# raised) and raises, naming it, for anything that configures or runs communication. A backward must be refused
+# because ~Reducer removed its AccumulateGrad hooks: a synced backward would write local, unaveraged gradients
+# without a word. So ``prepare_for_backward`` arms, as it armed the reducer, a pre-hook on each trainable
+# parameter's AccumulateGrad node that raises before anything accumulates and disarms, as the finished reduction
+# would (``autograd.grad`` runs no such node: NOTE [Only a backward that accumulates]). DDP's buffer broadcast
+# would hand C++ a None group (a segfault): on the instance it becomes a clear error. A new DDP on the same module
+# retires the stand-in's hooks (``track``).
+# Test: tests/test_teardown.py::test_evaluation_and_input_gradients_after_destroy_match_the_unpatched_run.
 class ReleasedReducer:
     """Stands in for ``DistributedDataParallel.reducer`` and ``.logger`` once their process group was destroyed:
-    answers what a forward asks without a collective, and refuses a backward DDP would all-reduce (NOTE [A DDP
-    after its group was destroyed])."""
+    answers what a forward asks without a collective, and refuses a backward DDP would all-reduce
+    (NOTE [A DDP after its group was destroyed])."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self._params = params
@@ -260,11 +176,23 @@ def track(ddp: nn.Module) -> None:
             _released.discard(stand_in)
 
 
+# NOTE [Reducer outliving its process group]
+# Invariant: a DDP's reducer never holds the last reference to its process group. pybind11 frees a ``Reducer``
+# with the GIL held; if ~Reducer drops the group's last reference, ~ProcessGroupGloo joins its worker threads
+# while one may still be freeing a finished ``AsyncAllgatherWork`` whose tensor decref needs the GIL: a deadlock.
+# torch's own Python handle of the group releases the GIL before its destructor; the Reducer's holder does not.
+# It happens whenever a DDP outlives ``destroy_process_group`` (``trainer.end()`` calls it while the Trainer
+# still holds the DDP).
+# Rule: just before a group is destroyed, every DDP built under apply() on it drops its reducer and logger while
+# the group registry and ``ddp.process_group`` still reference the group, then drops ``process_group``: the group
+# is freed afterwards, through its GIL-releasing handle. NOTE [A DDP after its group was destroyed] says what the
+# DDP can then still do.
+# Test: tests/test_reducer.py::test_destroying_the_group_releases_the_reducer_first.
 def release(ddp: nn.Module) -> None:
     """Free the reducer while its group is referenced elsewhere, then drop the DDP's own group reference.
 
-    The order is the fix: NOTE [Reducer outliving its process group]. What the DDP can still do: NOTE [A DDP after
-    its group was destroyed].
+    The order is the fix: NOTE [Reducer outliving its process group]. What the DDP can still do:
+    NOTE [A DDP after its group was destroyed].
     """
     stand_in = ReleasedReducer(_trainable(ddp))
     ddp.reducer = ddp.logger = stand_in
@@ -273,8 +201,19 @@ def release(ddp: nn.Module) -> None:
     _released.add(stand_in)
 
 
-# Modules that bind ``group.WORLD`` in signatures at import (NOTE [Groups held by default arguments]); only those
-# already imported are looked at.
+# NOTE [Groups held by default arguments]
+# Invariant: a destroyed default group is freed inside destroy_process_group, not kept to interpreter exit. Some
+# torch modules write ``group=group.WORLD`` in a signature (torch.distributed.nn.functional, which DDP's
+# constructor imports lazily; ZeroRedundancyOptimizer's _broadcast_object; ShardedGradScaler); imported while a
+# default group exists, each such default holds that group for the life of the process. Its gloo workers then
+# live to exit, where one still freeing a finished allgather asks for the GIL during finalization and the process
+# aborts after a completed run ("terminate called without an active exception").
+# Rule: after the group is destroyed, every default argument of GROUP_DEFAULT_MODULES' functions (those already
+# imported) that holds a group no longer registered is set to None, which torch.distributed reads as the default
+# group at call time. One-way: revert() puts no dead group back (it would fail a later call, or run it on the
+# destroyed group). Not covered, as without the library: an instance holding the group itself (a live
+# ZeroRedundancyOptimizer's ``self.process_group``); NOTE [A pause at exit] covers what is left.
+# Test: tests/test_reducer.py::test_destroyed_default_group_is_freed_not_kept_by_default_arguments.
 GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
                          "torch.distributed.fsdp.sharded_grad_scaler")
 
@@ -323,6 +262,17 @@ def _uses(ddp: nn.Module, group) -> bool:
     return getattr(ddp, "process_group", None) is group
 
 
+# NOTE [A pause at exit]
+# Invariant: a finished collective whose tensors Python already dropped (temporaries, as accelerate's gather and
+# TRL's metrics pass) does not abort the process at exit. The gloo worker frees those tensors after the caller's
+# wait() returned, and needs the GIL for it; if the main thread reaches interpreter finalization first, the
+# worker is told to exit and the process aborts.
+# Rule: in a process that was distributed, an atexit callback sleeps EXIT_PAUSE_S (atexit runs before
+# finalization, and a sleep releases the GIL), twice the pause measured to suffice; revert() unregisters it. It
+# and the patched destroy_process_group ask world_is_distributed(), never is_distributed(), whose first call runs
+# the on-first callbacks (a dynamo import) that a script shutting down must not pay. It cannot help a collective
+# still running at exit (async_op=True, never waited).
+# Test: tests/test_reducer.py::test_a_finished_collective_does_not_abort_the_exit.
 EXIT_PAUSE_S = 0.1
 
 
@@ -343,6 +293,16 @@ class _AtExit:
         atexit.unregister(self.callback)
 
 
+# NOTE [Freeing a group needs a GIL-free destructor]
+# Invariant: on torch < 2.8 too, freeing a group inside destroy_process_group does not deadlock. The notes above
+# free it through its GIL-releasing handle, which torch 2.8 added (pytorch#154976); before it, the last decref
+# runs ~ProcessGroupGloo with the GIL held, and its join waits for a worker that waits for the GIL to free a
+# finished collective (the deadlock of NOTE [Reducer outliving its process group]). Releasing the reducer first
+# moves that last decref into destroy_process_group, where a DDP alive to exit had hidden it.
+# Rule: where ``versions.group_destructor_holds_gil()``, the patched destroy_process_group first sleeps
+# EXIT_PAUSE_S (the workers finish freeing meanwhile), as the pause at exit does; apply()'s report names it. A
+# pause, not a proof: a worker descheduled for longer can still deadlock, as without the library.
+# Test: tests/test_reducer.py::test_teardown_pauses_before_freeing_a_group_where_its_destructor_holds_the_gil.
 def _patched_destroy_process_group(original):
     def destroy_process_group(group=None, *args, **kwargs):
         if world_is_distributed():

@@ -1,52 +1,9 @@
-"""Mechanism 4: Hugging Face gated MLPs run tiled along the token dimension, with a DDP-safe backward.
+"""Hugging Face gated MLPs run tiled along the token dimension, with a DDP-safe backward (opt-in).
 
-# NOTE [Why the parameters are inputs of the Function]
-# A tiled MLP runs its forward shard by shard under no_grad (so no shard's intermediates are kept) and
-# recomputes each shard in backward. How that backward produces parameter gradients decides whether DDP works:
-#   * ``.backward()`` per shard: each call is its own graph task, so every parameter's AccumulateGrad hook fires
-#     once per shard -> "marked ready twice", or silently wrong gradients under some settings;
-#   * ``autograd.grad`` for all shards and ``.backward()`` on the last: the parameters are not reachable from
-#     the outer output (the forward ran under no_grad), so find_unused_parameters=True marks them unused first
-#     and their later hook is a second mark; a parameter used by an early shard only is never all-reduced.
-# Here every trainable parameter the MLP uses (LoRA A/B, DoRA magnitudes, biases, full fine-tune weights) is
-# an explicit input of the autograd.Function. Backward takes ``torch.autograd.grad`` per shard with respect
-# to the shard input and those parameters -- ``grad`` does not run AccumulateGrad, so no DDP hook fires inside
-# -- and returns the summed gradients once. The outer graph then reaches each parameter through this one node
-# and its AccumulateGrad (with DDP's hook) runs exactly once per backward, whatever the shard count. That is
-# why find_unused True/False, static_graph (one node regardless of a shard count that varies between steps or
-# ranks), bucket views and no_sync all hold. A design that returned only dx would give zero LoRA gradients
-# whenever the MLP input does not require grad (LoRA only on the MLP, frozen embeddings).
-#
-# NOTE [Replaying the forward exactly]
-# Each shard's recompute runs under the RNG state that shard saw in forward (dropout masks, e.g. LoRA dropout,
-# are the same) and under the autocast state of the forward, so the gradients are those of the tensors the
-# forward produced. Each shard calls the class's original ``forward``: nothing about the MLP is re-implemented,
-# which is why it is exact for every family (gelu or silu, bias or not, PEFT/bnb layers inside).
-#
-# NOTE [Recompute ends before the tiled forward]
-# A non-reentrant checkpoint (what the library runs under DDP) recomputes its region in backward only up to the
-# region's last saved tensor: torch's early stop leaves the recompute once it has saved again as many tensors as
-# the forward did. A Function's ``save_for_backward`` is packed after its forward has returned, so while the
-# tiled Function saved its own input, a Llama layer's last save was at the end of the tiled forward and the
-# recompute ran the whole tiled forward only to throw its output away (nothing after the MLP saves it: the
-# residual add saves nothing) -- three MLP forwards per step where untiled runs two (tiny Llama, 2 layers, 1024
-# tokens, 64-token shards, one step: gate_proj ran 2 x 16 x 3 = 96 times, untiled 4; now 64). So the input is
-# saved by a node of its own, ``SaveMLPInput``, an identity (a view) applied just before; the tiled Function
-# saves nothing and its backward reads the input through that node's ``saved_tensors`` (the node, the view's
-# ``grad_fn``, is passed in as ``input_node``). Where nothing after the MLP saves, that save is the region's last
-# and the recompute stops there, before the tiled forward: the MLP runs in the forward and once more, shard by
-# shard, in the tiled backward -- as often as untiled. Where something after the MLP saves what it computes from
-# the output (Gemma's post-feedforward norm), the recompute runs on through the tiled forward, as it must; with
-# early stop off (``set_checkpoint_early_stop(False)``) torch runs every region to its end, the tiled forward
-# included, as before (nothing public tells a Function that its output will go unused).
-# Reading another node's saved tensors is sound here: the identity's output feeds only the tiled node, so the
-# engine runs the tiled backward first and the identity's after it, and a node's saved tensors are released only
-# after its own backward (kept under retain_graph); the identity's backward passes the gradient through without
-# reading them, so a checkpointed tensor is still unpacked once per backward, as the checkpoint requires. The
-# gradients are those of before, bit for bit: the same input, the same shard replay, dx passed on untouched.
-# A Function none of whose inputs requires grad records no node and saves nothing, so when the MLP input does not
-# require grad (a frozen first layer) an empty leaf that does (``anchor``) makes the identity a node; ``want_x``
-# then keeps dx uncomputed and the anchor gets no gradient.
+``install(shard_tokens=...)`` and ``discover(model)`` patch the ``forward`` of the classes found by structure
+(NOTE [MLPs found by structure]). Under DDP, FSDP2 or DeepSpeed ZeRO-1/2 with grad enabled, a call is split into
+the shards ``shard_sizes`` / ``auto_shards`` give (NOTE [Tiling by bytes]) and runs through ``apply_tiled``.
+``untiled()`` runs patched MLPs untiled inside a block; ``counts()`` says how many calls tiled.
 """
 
 from __future__ import annotations
@@ -67,9 +24,9 @@ from .distributed import is_distributed, log_rank0_once
 logger = logging.getLogger("ddp_patches")
 
 _GATED = ("gate_proj", "up_proj", "down_proj")
-# NOTE [Tiling by bytes]: what an untiled gated MLP keeps for its backward, per token, in [tokens, intermediate]
-# tensors (measured with saved-tensor hooks on a LoRA'd LlamaMLP: 4.75 -- gate_proj's and up_proj's outputs, the
-# activation's, their product, down_proj's input).
+# For NOTE [Tiling by bytes]: what an untiled gated MLP keeps for its backward, per token, in [tokens,
+# intermediate] tensors (measured with saved-tensor hooks on a LoRA'd LlamaMLP: 4.75 -- gate_proj's and up_proj's
+# outputs, the activation's, their product, down_proj's input).
 SAVED_PER_TOKEN = 5
 
 _settings: dict = {"shard_tokens": None, "untiled": 0}
@@ -118,6 +75,19 @@ def auto_shards(rows: int, hidden: int, intermediate: int) -> int:
     return count if count >= 2 else 1
 
 
+# NOTE [Recompute ends before the tiled forward]
+# Invariant: inside a non-reentrant checkpoint, a tiled MLP runs no more forwards per step than an untiled one
+# (where nothing after the MLP saves). torch's early stop ends a region's recompute at its last saved tensor, and
+# a Function's ``save_for_backward`` is packed after its forward has returned: a tiled Function that saved its own
+# input would make the recompute run the whole tiled forward only to throw its output away.
+# Rule: the input is saved by a node of its own, ``SaveMLPInput``, an identity (a view) applied just before; the
+# tiled Function saves nothing and its backward reads the input from that node (``input_node``). Sound because the
+# identity's output feeds only the tiled node: the engine runs the tiled backward first, the identity's after it
+# passes the gradient through without reading, and saved tensors are released only after their node's own
+# backward, so a checkpointed tensor is still unpacked once per backward. Where the MLP input does not require
+# grad, an empty leaf that does (``anchor``) makes the identity a node at all. Where something after the MLP saves
+# (Gemma's post-feedforward norm) or early stop is off, the recompute runs the tiled forward, as it must.
+# Test: tests/test_tiled_mlp_recompute.py::test_tiled_mlp_runs_no_extra_forward_in_the_recompute.
 class SaveMLPInput(torch.autograd.Function):
     """``x2d -> x2d`` (a view) that saves ``x2d`` for the TiledMLPFunction applied to its output, which reads it
     from this node in its backward. NOTE [Recompute ends before the tiled forward]. ``anchor``: an empty leaf
@@ -137,12 +107,24 @@ class SaveMLPInput(torch.autograd.Function):
         return (grad, *([None] * ctx.anchors))
 
 
+# NOTE [Why the parameters are inputs of the Function]
+# Invariant: a tiled MLP runs each trainable parameter's AccumulateGrad (and DDP's hook) exactly once per backward,
+# in the outer graph task, whatever the shard count. The forward runs shard by shard under no_grad and each shard
+# is recomputed in backward; ``.backward()`` per shard would be a graph task, and a hook, per shard ("marked ready
+# twice"), and parameters reached only by a nested backward are unreachable from the outer output
+# (find_unused_parameters=True marks them unused first, then their hook is a second mark).
+# Rule: every trainable parameter the MLP uses (LoRA A/B, DoRA magnitudes, biases, full weights) is an explicit
+# input of the Function. Backward takes ``torch.autograd.grad`` per shard w.r.t. the shard and those parameters
+# (``grad`` runs no AccumulateGrad, so no DDP hook fires inside) and returns the summed gradients once. So
+# find_unused True/False, static_graph (one node, whatever the shard count), bucket views and no_sync all hold,
+# and a frozen MLP input still gives LoRA gradients.
+# Test: tests/test_tiled_mlp.py::test_each_ddp_hook_fires_once_per_backward.
 class TiledMLPFunction(torch.autograd.Function):
-    """``out = cat(forward_fn(shard) for shard in x2d.split(rows))`` with the backward of NOTE [Why the
-    parameters are inputs of the Function]. ``params`` are exactly the trainable parameters ``forward_fn`` uses.
-    ``x2d`` is the output of ``SaveMLPInput`` and ``input_node`` that node (its ``grad_fn``): this Function saves
-    nothing and reads the input from there (NOTE [Recompute ends before the tiled forward]); ``want_x`` is
-    whether the MLP's input itself requires grad (``x2d`` may only because of the anchor).
+    """``out = cat(forward_fn(shard) for shard in x2d.split(rows))`` with the backward of
+    NOTE [Why the parameters are inputs of the Function]. ``params`` are exactly the trainable parameters
+    ``forward_fn`` uses. ``x2d`` is the output of ``SaveMLPInput`` and ``input_node`` that node (its ``grad_fn``):
+    this Function saves nothing and reads the input from there (NOTE [Recompute ends before the tiled forward]);
+    ``want_x`` is whether the MLP's input itself requires grad (``x2d`` may only because of the anchor).
     """
 
     @staticmethod
@@ -195,6 +177,12 @@ def _unused_as_untiled(ctx, grads: list, wanted: list[int]) -> list:
     return grads
 
 
+# NOTE [Replaying the forward exactly]
+# Invariant: the tiled backward differentiates exactly the tensors the forward produced. Each shard's recompute
+# runs under the RNG state that shard saw in forward (dropout masks, LoRA dropout included) and the forward's
+# autocast state, and calls the class's original ``forward``: nothing about the MLP is re-implemented, so it is
+# exact for every family (gelu or silu, bias or not, PEFT and bitsandbytes layers inside).
+# Test: tests/test_tiled_mlp.py::test_dropout_masks_are_replayed.
 def _shard_grads(ctx, shard: torch.Tensor, g_shard: torch.Tensor, rng: tuple, want_x: bool, wanted: list[int],
                  create_graph: bool) -> tuple:
     """One shard's forward replayed (its RNG and autocast state) and its gradients: wrt ``shard`` when
@@ -206,15 +194,14 @@ def _shard_grads(ctx, shard: torch.Tensor, g_shard: torch.Tensor, rng: tuple, wa
 
 
 # NOTE [A differentiable tiled backward]
-# A gradient penalty (R1, WGAN-GP: ``autograd.grad(..., create_graph=True)`` then ``backward()``) differentiates
-# the MLP's backward itself. Untiled, autograd records that backward as a graph; the tiled backward took
-# ``autograd.grad`` of detached shards, so its dx and parameter gradients were constants to the second backward
-# and the penalty's gradients were silently wrong (relative error 0.93 on 2 ranks, tests/test_tiled_mlp.py). When
-# the engine runs this backward with grad mode on (it does exactly under ``create_graph=True``), each shard is
-# replayed as a view of the saved input itself (its history intact) and differentiated with ``create_graph``,
-# and the pieces are joined out of place, so the second backward reaches the input, the parameters and the
-# incoming gradient through them. It keeps each shard's graph, as untiled keeps the whole call's: a double
-# backward pays the untiled memory, but gives its gradients. The first-order path is unchanged, bit for bit.
+# Invariant: a double backward through a tiled MLP (a gradient penalty: ``autograd.grad(..., create_graph=True)``
+# then ``backward()``) gives the untiled gradients. Shards taken as detached tensors would make dx and the
+# parameter gradients constants to the second backward.
+# Rule: when the engine runs this backward with grad mode on (it does exactly under ``create_graph=True``), each
+# shard is replayed as a view of the saved input itself (its history intact), differentiated with
+# ``create_graph``, and the pieces are joined out of place. It keeps each shard's graph, as untiled keeps the whole
+# call's (the untiled memory, for the untiled gradients); the first-order path is unchanged.
+# Test: tests/test_tiled_mlp.py::test_double_backward_through_tiled_mlp_matches_untiled.
 def _differentiable_grads(ctx, x2d: torch.Tensor, grad_out: torch.Tensor, want_x: bool, wanted: list[int]) -> list:
     """[dx, *param grads] of a backward under ``create_graph=True``, each recorded by autograd."""
     dx_parts, grads = [], [None] * len(ctx.params)
@@ -308,18 +295,17 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
 
 
 # NOTE [Hooks inside a tiled MLP]
-# A tiled MLP runs its submodules once per shard in forward (under no_grad) and again per shard in backward, and
-# takes parameter gradients with ``autograd.grad`` per shard. What a hook does is therefore not what it does
-# untiled: a forward or forward-pre hook on a submodule (or a global one) fires twice per shard and its outputs have
-# no history (an activation penalty collected by a hook on ``act_fn`` was 0.94 wrong; a steering vector added by a
-# hook on ``down_proj`` got no gradient); a tensor hook on a parameter runs once per shard and again on the sum
-# (``w.register_hook(lambda g: g * 0.5)``: 0.50 wrong). So a call runs untiled, with one WARNING line on rank 0
-# naming the hook, whenever a submodule has forward, forward-pre or backward hooks, a global module hook is set, or
-# a trainable parameter of the MLP has a tensor hook (read per call: a few dict lookups per submodule). Hooks on
-# the MLP itself fire once around the whole call, tiled or not, and are kept. A trainable tensor that reaches the
-# output from outside the MLP's own parameters (a tensor attribute, another module's parameter) is found per
-# instance, at its first tiled call, by one forward of 2 rows with grad, and leaves that instance untiled.
-# Tests: tests/test_tiled_mlp_hooks.py.
+# Invariant: a tiled MLP is exact or runs untiled. It runs its submodules once per shard in forward (under
+# no_grad) and again in backward, and takes parameter gradients with ``autograd.grad`` per shard, so a forward or
+# forward-pre hook on a submodule (or a global one) would fire twice per shard on outputs without history, and a
+# tensor hook on a parameter would run once per shard and again on the sum.
+# Rule: a call runs untiled, with one WARNING line on rank 0 naming the hook, whenever a submodule has forward,
+# forward-pre or backward hooks, a global module hook is set, or a trainable parameter of the MLP has a tensor hook
+# (read per call: a few dict lookups per submodule). Hooks on the MLP itself wrap the whole call and are kept. A
+# trainable tensor that reaches the output from outside the MLP's own parameters (a tensor attribute, another
+# module's parameter) is found per instance, at its first tiled call, by one forward of 2 rows with grad, and
+# leaves that instance untiled.
+# Test: tests/test_tiled_mlp_hooks.py::test_a_hooked_mlp_runs_untiled_with_exact_gradients.
 OUTSIDE = "a trainable tensor from outside its parameters"
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -330,8 +316,8 @@ def _hooked(module: torch.nn.Module, params: tuple) -> bool:
     why = _hook_problem(module, params)
     if why is not None:
         log_rank0_once(f"tiled-hook-{type(module).__qualname__}-{why}", logging.WARNING,
-                       "ddp_patches: tiled MLP: %s runs untiled: %s (hooks there would fire once per shard; NOTE "
-                       "[Hooks inside a tiled MLP] in ddp_patches/tiled_mlp.py)", type(module).__qualname__, why)
+                       "ddp_patches: tiled MLP: %s runs untiled: %s (hooks there would fire once per shard; "
+                       "NOTE [Hooks inside a tiled MLP] in ddp_patches/tiled_mlp.py)", type(module).__qualname__, why)
     return why is not None
 
 
@@ -357,28 +343,18 @@ def _hook_problem(module: torch.nn.Module, params: tuple) -> str | None:
 
 
 # NOTE [Tiling by bytes]
-# What tiling buys is bytes: untiled, a gated MLP keeps about SAVED_PER_TOKEN [tokens, intermediate] tensors for
-# its backward (4.75 measured), 17.5 hidden-state tensors' worth for Llama-8B's I = 3.5 H, while the rest of a
-# decoder layer keeps about 7 (6.6 measured for an SDPA Llama layer with LoRA: norms, q/k/v, attention output,
-# o_proj's input, the residual). So untiled, the MLP is most of the layer's working set -- the part a checkpointed
-# layer rebuilds in backward, on top of every layer's checkpoint input. What tiling costs is per-shard overhead
-# (a replay in backward replaces the checkpoint's own recompute, NOTE [Recompute ends before the tiled forward])
-# and matmuls on fewer rows. The automatic rule tiles just enough that the MLP stops mattering and no finer:
-#   * shards = ceil(SAVED_PER_TOKEN x I / H): one shard's intermediates are then no larger than the call's hidden
-#     states, so the MLP adds at most about one hidden-state tensor to the layer (7 -> about 8 instead of 24.5),
-#     at every length; more shards could save at most that one tensor more;
-#   * no shard under hidden_size tokens (rows // H shards at most): a shard's intermediates then outweigh the
-#     gate/up/down weights its matmuls read, which keeps them compute-bound; this is ALST's own shard size, so the
-#     rule is never finer than ALST's;
-#   * fewer than 2 shards: untiled.
-# For Llama-8B (H 4096, I 14336): 18 shards wanted; 2 at 8K tokens, 4 at 16K, 8 at 32K (as ALST), 18 from 72K on
-# (ALST ceil(T/H): 32 at 128K, 128 at 512K; axolotl ceil(T/32768): 1 up to 32K, 4 at 128K, 16 at 512K). Coarser
-# than ALST where the bytes do not need more, as axolotl found pays (3.2x faster than ALST's rule at 64K-256K);
-# finer than axolotl below 64K, where an untiled MLP would still be three quarters of the layer. The rule reads
-# only shapes (H from the input, I from gate_proj), so every rank and every step of one length shard alike and a
-# run is reproducible. Measured on CPU (benchmarks/tiled_layer.py, H 128, I 512: 20 shards at 8K-32K) and not yet
-# on a GPU, where shard efficiency may call for a coarser floor. ``tiled_mlp_shard_tokens`` is the user's explicit
-# choice and is always honoured.
+# Invariant: the automatic rule tiles just enough that the MLP stops dominating the layer's working set, no finer,
+# and reads only shapes, so every rank and every step of one length shard alike. Untiled, a gated MLP keeps about
+# SAVED_PER_TOKEN [tokens, intermediate] tensors for its backward (17.5 hidden-state tensors' worth at I = 3.5 H)
+# while the rest of a decoder layer keeps about 7; tiling costs a per-shard replay and matmuls on fewer rows.
+# Rule: shards = min(ceil(SAVED_PER_TOKEN x I / H), rows // H), untiled below 2:
+#   * the first term makes one shard's intermediates no larger than the call's hidden states, so the MLP adds
+#     about one hidden-state tensor to the layer at every length; more shards could save at most that tensor;
+#   * the second keeps shards at least hidden_size tokens (ALST's own shard size, so never finer than ALST),
+#     where a shard's intermediates outweigh the gate/up/down weights its matmuls read.
+# For Llama-8B (H 4096, I 14336): 2 shards at 8K tokens, 8 at 32K, 18 from 72K on. ``tiled_mlp_shard_tokens`` is
+# the user's explicit choice and is always honoured.
+# Test: tests/test_tiled_mlp.py::test_auto_rule_shards_by_bytes.
 def _intermediate(module: torch.nn.Module, x: torch.Tensor) -> int:
     """gate_proj's output features: ``out_features`` of an nn.Linear, a PEFT LoRA layer or a bitsandbytes layer;
     else measured once on one token (cached per module)."""
@@ -393,18 +369,18 @@ def _intermediate(module: torch.nn.Module, x: torch.Tensor) -> int:
 
 
 # NOTE [MLPs found by structure]
-# No list of families: a module is a gated MLP when it has ``gate_proj``, ``up_proj`` and ``down_proj`` children
-# and a ``forward(x)`` that maps [..., H] -> [..., H] row by row. The first two are read from the instance's own
-# children: a wrapper whose ``__getattr__`` reaches into what it wraps (PeftModel and LoraModel around a bare MLP,
-# FSDP1, torch.compile's module) is no MLP, and patching its class would reach every instance of it (a PeftModel
-# around a language model, called with keyword arguments, failed so). The last is proven once per class at its
-# first distributed call by a probe (4 rows through the original forward, whole and split in two, under no_grad,
-# dropout off and a forked RNG, so it changes nothing): a class whose output has another shape or mixes tokens is
-# left untiled and logged with the reason. Any other call (more arguments, keywords) runs the original forward.
-# Candidate classes are found three ways, so a model is reached whenever it was built: at apply() among the
-# nn.Module classes already imported (their ``__init__`` assigns the three names), when a transformers model
-# finishes ``post_init`` (models built after apply(); FSDP2 and DeepSpeed never call DDP's __init__), and when DDP
-# wraps a module.
+# Invariant: a class is tiled only if it is a gated MLP by structure and proven token-wise; there is no list of
+# families. ``gate_proj``, ``up_proj`` and ``down_proj`` must be the instance's own children: a wrapper whose
+# ``__getattr__`` reaches into what it wraps (PeftModel and LoraModel around a bare MLP, FSDP1, torch.compile's
+# module) is no MLP, and patching its class would reach every instance of it.
+# Rule: ``forward(x)`` mapping [..., H] -> [..., H] row by row is proven once per class, at its first distributed
+# call, by a probe (4 rows through the original forward, whole and split in two, under no_grad, dropout off and a
+# forked RNG, so it changes nothing); a class whose output has another shape or mixes tokens is left untiled and
+# logged with the reason. Any other call (more arguments, keywords) runs the original forward. Candidates are
+# found at apply() among the nn.Module classes already imported (their ``__init__`` assigns the three names), when
+# a transformers model finishes ``post_init`` (FSDP2 and DeepSpeed never call DDP's __init__), and when DDP wraps
+# a module.
+# Test: tests/test_tiled_mlp.py::test_mlps_found_by_structure_and_probed.
 def _verdict(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> str | None:
     cls = type(module)
     if cls not in _verdicts:
@@ -414,7 +390,7 @@ def _verdict(module: torch.nn.Module, x: torch.Tensor, original_forward: Callabl
             log_rank0_once("tiled-class-" + cls.__qualname__, logging.INFO,
                            "ddp_patches: tiled MLP: %s.%s tiles (gate/up/down, token-wise [..., %d] -> [..., %d])",
                            cls.__module__, cls.__qualname__, x.shape[-1], x.shape[-1])
-        else:  # a WARNING where tiling was possible and is declined for exactness (NOTE [Hooks inside ...])
+        else:  # a WARNING where tiling was possible and is declined for exactness: NOTE [Hooks inside a tiled MLP]
             log_rank0_once("tiled-class-" + cls.__qualname__,
                            logging.WARNING if reason.startswith(OUTSIDE) else logging.INFO,
                            "ddp_patches: tiled MLP: %s.%s is MLP-like but runs untiled: %s",

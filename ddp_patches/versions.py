@@ -5,19 +5,21 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-# torch 2.4: non-reentrant checkpoint with determinism_check/early_stop and DDP's
-# _static_graph_delay_allreduce_enqueued, both of which the patches rely on. Tested: torch 2.4, 2.13, 2.15
-# (the lanes of ddp_patches/verify/lanes.py; README "Versions"). What each patch assumes about torch's internals is
-# probed when it is installed (ddp_patches/probes.py). transformers 4.46: checkpointing kwargs. Tested: 4.46, 5.23, 5.24.
-MINIMUM = {"torch": (2, 4), "transformers": (4, 46)}
+# The minimums: torch 2.4 has non-reentrant checkpoint with determinism_check/early_stop and DDP's
+# _static_graph_delay_allreduce_enqueued, both relied on; transformers 4.46 has the checkpointing kwargs. What each
+# patch assumes about torch's internals is probed when it is installed (ddp_patches/probes.py). The one source of
+# the tested range (the lanes, tools/lanes.py); pyproject.toml's bounds must agree
+# (tests/test_layout.py::test_one_source_for_the_tested_range).
+TESTED_RANGE = {"torch": ((2, 4), (2, 15)), "transformers": ((4, 46), (5, 24)), "peft": ((0, 13), (0, 21)),
+                "trl": ((0, 12), (1, 16)), "accelerate": ((1, 0), (1, 15))}
+TESTED = {name: f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}" for name, (lo, hi) in TESTED_RANGE.items()}
+MINIMUM = {name: TESTED_RANGE[name][0] for name in ("torch", "transformers")}
 # Offload reads the saved-tensor hook stack (torch._C._autograd._top_saved_tensors_default_hooks), which torch 2.8
 # added; on 2.4-2.7 apply() installs it inert and says so in its report.
 OFFLOAD_MINIMUM_TORCH = (2, 8)
 # Before torch 2.8 (pytorch#154976) a ProcessGroup's Python handle runs its destructor with the GIL held; the
 # teardown patch then pauses before a group is freed (NOTE [Freeing a group needs a GIL-free destructor]).
 GIL_FREE_GROUP_DESTRUCTOR_TORCH = (2, 8)
-TESTED = {"torch": "2.4 to 2.15", "transformers": "4.46 to 5.24", "peft": "0.13 to 0.21", "trl": "0.12 to 1.16",
-          "accelerate": "1.0 to 1.15"}
 
 
 class UnsupportedVersionError(RuntimeError):

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -21,20 +21,17 @@ ENGINE_MODULE = "deepspeed.runtime.engine"
 TARGETS = (f"{ENGINE_MODULE}.DeepSpeedEngine.__init__", f"{ENGINE_MODULE}.DeepSpeedEngine.forward")
 
 # NOTE [Reentrant checkpoints under ZeRO-1/2]
-# ZeRO stage 2, and stage 1 with overlap_comm, reduce a parameter's gradient from a hook that runs after its
-# AccumulateGrad node, and assert that this happens once per backward (stage_1_and_2.py: "has already been
-# reduced ... Gradient computed twice for this partition"). A reentrant checkpoint runs its region's backward as
-# a separate graph task, so a weight used in two reentrant regions (a shared block, a second forward before the
-# backward) has its AccumulateGrad run once per region: the assert fires, with or without DDP in sight. A
-# non-reentrant checkpoint recomputes inside the one graph task, where the two uses' gradients are summed before
-# the node runs once. So the checkpoint swap acts under stages 1 and 2 (stage 1 without overlap_comm reduces
-# after backward and trains either way; the swap keeps one rule per stage). Stage 3 keeps reentrant checkpoints
-# (NOTE [Engines]); stage 0 averages after backward with no per-parameter hook, so the user's choice is kept.
-# DeepSpeed marks no running forward, so the modules an engine runs are recorded when it is built (its
-# constructor, patched when deepspeed.runtime.engine is imported), its forward marks it as running (for a
-# checkpointed closure, which names no module), and the stage is read from the live engine.
-# Proven by tests/test_zero.py (unpatched: the assert; patched: final weights equal to the same config without
-# checkpointing).
+# Invariant: under DeepSpeed ZeRO-1/2 a weight used in two checkpointed regions is reduced once per backward.
+# ZeRO stage 2, and stage 1 with overlap_comm, reduce a parameter's gradient from a hook after its AccumulateGrad
+# node and assert that this happens once per backward ("has already been reduced ... Gradient computed twice for
+# this partition"); a reentrant checkpoint runs its region's backward as a separate graph task, so a weight in two
+# reentrant regions has its AccumulateGrad run once per region. Non-reentrant sums both uses' gradients first.
+# Rule: the checkpoint swap acts under stages 1 and 2 (one rule per stage: stage 1 without overlap_comm trains
+# either way). Stage 3 keeps reentrant checkpoints (NOTE [Engines]); stage 0 averages after backward with no
+# per-parameter hook, so the user's choice is kept. DeepSpeed marks no running forward, so the modules an engine
+# runs are recorded at its construction (patched when deepspeed.runtime.engine is imported), its forward marks it
+# as running (a checkpointed closure names no module), and the stage is read from the live engine.
+# Test: tests/test_zero.py::test_a_weight_in_two_reentrant_checkpoints_trains_under_zero.
 _owner: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -47,9 +44,8 @@ def own(engine: Any) -> None:
     ref = weakref.ref(engine)
     for m in module.modules():
         _owner[m] = ref
-    from . import tiled_mlp
-
-    tiled_mlp.discover(module)  # no-op unless apply(tiled_mlp=True), as at DDP construction
+    for callback in _on_built:
+        callback(module)  # apply(tiled_mlp=True): its MLPs are found here, as at DDP construction
 
 
 _running: list[weakref.ref] = []  # engines whose forward is running now, innermost last
@@ -138,11 +134,23 @@ def _patch_engine_init() -> None:
     REGISTRY.install(cls, "forward", _marking_forward)
 
 
-def install() -> list[str]:
+_on_built: list[Callable[[nn.Module], None]] = []  # what apply() asks to run on each engine's module
+
+
+def install(on_built: tuple[Callable[[nn.Module], None], ...] = ()) -> list[str]:
     """Record every DeepSpeed engine built from now on: patch its constructor now if deepspeed is imported, else
-    right after it is (nothing is imported here)."""
+    right after it is (nothing is imported here); run each of ``on_built`` on the module of every such engine."""
+    _on_built[:] = on_built
+    REGISTRY.add_handle(_Forget())
     finder = when_imported(ENGINE_MODULE, _patch_engine_init)
     if finder is not None:
         REGISTRY.add_handle(finder)
         return []
     return list(TARGETS)
+
+
+class _Forget:
+    """A registry handle: revert() drops the callbacks with the patches."""
+
+    def remove(self) -> None:
+        _on_built.clear()

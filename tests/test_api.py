@@ -12,7 +12,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_patches
-from ddp_patches import offload_probes, versions
+from ddp_patches import versions
+from ddp_patches.offload import probes as offload_probes
 
 TARGETS = [
     (torch_checkpoint, "CheckpointFunction"),
@@ -95,7 +96,7 @@ def test_offload_true_on_a_cpu_host_says_why_it_is_inert(caplog):
 
 
 def test_offload_is_opt_in_and_auto_means_off_with_one_warning(caplog):
-    from ddp_patches import offload
+    from ddp_patches.offload import offloader as offload
 
     assert offload.target() not in ddp_patches.apply().installed  # the default installs no offload
     ddp_patches.revert()
@@ -154,7 +155,7 @@ def test_nested_patched_restores_the_previous_options_exactly():
 
 
 def reapply_keeps_live_ddp_protected() -> bool:
-    """Item 7 of issue 18: apply() again with other options while a DDP exists; rank 1 never uses the branch."""
+    """apply() again with other options while a DDP exists; rank 1 never uses the branch."""
     from tests.test_reach import _Branchy, _flag_batch, _mse
 
     rank = torch.distributed.get_rank()
@@ -170,6 +171,7 @@ def reapply_keeps_live_ddp_protected() -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_reapply_keeps_live_ddps_protected(pool):
     assert pool.run(reapply_keeps_live_ddp_protected) == [True, True]
 
@@ -218,6 +220,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_torch_only_process_trains_under_apply(tmp_path):
     """transformers, peft, trl and accelerate are optional (pyproject's [hf] extra): building and training a DDP
     under apply() must not need them (tiled_mlp.enabled() imported transformers on every DDP construction)."""
@@ -257,7 +260,8 @@ def test_offload_depths_must_be_whole_numbers_of_at_least_one(name, value):
 
 
 def test_offload_depths_reach_the_offloader_and_the_launcher():
-    from ddp_patches import autoapply, offload
+    from ddp_patches import autoapply
+    from ddp_patches.offload import offloader as offload
 
     report = ddp_patches.apply(offload=True, offload_prefetch_depth=3, offload_max_in_flight=2)
     off = offload.current()
@@ -268,3 +272,43 @@ def test_offload_depths_reach_the_offloader_and_the_launcher():
     assert autoapply.options_from_env(env) == {"offload_prefetch_depth": 2, "offload_max_in_flight": 4}
     with pytest.raises(ValueError, match="DDP_PATCHES_OFFLOAD_PREFETCH_DEPTH='0' is not valid: expected a number >= 1"):
         autoapply.options_from_env({"DDP_PATCHES_OFFLOAD_PREFETCH_DEPTH": "0"})
+
+
+def test_revert_forgets_every_modules_state():
+    """NOTE [Each module forgets its own state]: revert() clears what each module keeps (probe verdicts, once-only
+    log keys, waiting callbacks, the engine seen) without api naming any of them."""
+    from ddp_patches import distributed, engines, probes
+
+    ddp_patches.apply(offload=True)
+    distributed.log_rank0_once("test-forget", logging.DEBUG, "once")
+    distributed.on_first_distributed(lambda: None)
+    engines._last["engine"] = "ddp"
+    assert probes._results and offload_probes._found and distributed._logged_once and distributed._on_first
+    ddp_patches.revert()
+    assert not (probes._results or offload_probes._found or distributed._logged_once or distributed._on_first)
+    assert engines._last["engine"] is None
+
+
+def test_a_deferred_apply_settles_first_and_revert_drops_it(monkeypatch):
+    """NOTE [A deferred apply() settles first]: the runner's stand-ins are registry patches (marked, unwrappable);
+    the script's own apply() runs the deferred one first and puts the originals back; revert() drops a deferral."""
+    import torch.distributed as dist
+
+    from ddp_patches import autoapply
+
+    original = vars(dist)["init_process_group"]
+    calls = []
+    monkeypatch.setattr(autoapply, "_import_in_progress", lambda: True)
+    monkeypatch.setattr(autoapply, "apply_from_env", lambda: calls.append("deferred"))
+    autoapply.apply_after_torch_import()
+    stand_in = vars(dist)["init_process_group"]
+    assert stand_in.__ddp_patches__ is True and stand_in.__wrapped__ is original
+    ddp_patches.revert()
+    assert vars(dist)["init_process_group"] is original and vars(DDP)["__init__"].__module__ == "torch.nn.parallel.distributed"
+    ddp_patches.apply()
+    assert calls == []  # the deferral went with revert()
+    ddp_patches.revert()
+    autoapply.apply_after_torch_import()
+    ddp_patches.apply()
+    assert calls == ["deferred"] and vars(dist)["init_process_group"] is original
+    assert ddp_patches.is_applied()

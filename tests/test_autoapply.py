@@ -89,6 +89,7 @@ def test_every_torchrun_rank_is_patched(tmp_path):
     assert all("(False, False) True" in line for line in probes(out.stdout))
 
 
+@pytest.mark.slow
 def test_print_env_switches_every_process_of_a_launch(tmp_path):
     """NOTE [One switch for a whole launch]: the variables exported once (as an sbatch script would) reach every
     rank a launcher starts with no command prefix; printed twice, the path is not doubled; dotenv is KEY=VALUE."""
@@ -105,7 +106,7 @@ def test_print_env_switches_every_process_of_a_launch(tmp_path):
     dotenv = run([sys.executable, "-m", "ddp_patches.autoapply", "--print-env", "dotenv"],
                  env={"PYTHONPATH": ""}).stdout.splitlines()
     assert dotenv == [f"PYTHONPATH={autoapply.BOOTSTRAP_DIR}", "DDP_PATCHES_APPLY=1"], dotenv
-    # after the eval, as in the README: the file for other nodes holds everything, not only what changed here
+    # after the eval, as in docs/integrations.md: the file for other nodes holds everything, not only what changed here
     shell = f'eval "$({cli} --print-env --offload false)"; {cli} --print-env dotenv'
     again = run(["bash", "-c", shell], env={"PYTHONPATH": ""}).stdout.splitlines()
     assert again == [f"PYTHONPATH={autoapply.BOOTSTRAP_DIR}", "DDP_PATCHES_APPLY=1", "DDP_PATCHES_OFFLOAD=false"], again
@@ -122,9 +123,9 @@ def test_console_script_is_installed():
     assert out.returncode == 0 and "every Python process it starts" in out.stdout
 
 
-# -- issue 18, items 4, 5, 8 -------------------------------------------------------------------------------------
+# -- the runner meets imports and bad input -------------------------------------------------------------------------------------
 def test_the_readme_quick_start_under_the_runner():
-    """Item 4: the script itself does ``import ddp_patches; ddp_patches.apply()`` (api imports torch, whose import
+    """The script itself does ``import ddp_patches; ddp_patches.apply()`` (api imports torch, whose import
     hook must not re-enter the half-initialised api)."""
     code = ("import ddp_patches; report = ddp_patches.apply(offload=True); import torch; "
             "print('PROBE', ddp_patches.is_applied(), report.options['offload'])")
@@ -133,9 +134,10 @@ def test_the_readme_quick_start_under_the_runner():
     assert probes(out.stdout) == ["PROBE True True"]  # the script's own apply() has the last word
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first", ["from transformers import PretrainedConfig", "import trl", "import accelerate"])
 def test_libraries_imported_before_torch_with_tiled_mlp(first, tmp_path):
-    """Item 5: transformers (or trl, accelerate) imports torch inside its own import chain; apply() must not import
+    """transformers (or trl, accelerate) imports torch inside its own import chain; apply() must not import
     transformers there. It runs at first use instead: here the process group's creation."""
     code = (f"{first}\nimport torch, torch.distributed as dist, ddp_patches\n"
             "before = ddp_patches.is_applied()\n"
@@ -151,7 +153,7 @@ def test_libraries_imported_before_torch_with_tiled_mlp(first, tmp_path):
 
 @pytest.mark.parametrize("variable,value", [("DDP_PATCHES_OFFLOAD", "maybe"), ("DDP_PATCHES_LOG_LEVEL", "verbose")])
 def test_bad_environment_options_fail_before_launch(variable, value):
-    """Item 8: a bad value already in the environment fails in the runner, naming the variable, and runs nothing."""
+    """A bad value already in the environment fails in the runner, naming the variable, and runs nothing."""
     code = "print('PROBE ran')"
     out = run([sys.executable, "-m", "ddp_patches.autoapply", sys.executable, "-c", code], env={variable: value})
     assert out.returncode == 2 and variable in out.stderr and probes(out.stdout) == [], (out.stdout, out.stderr)

@@ -1,7 +1,7 @@
 """The axolotl plugin (ddp_patches/integrations/axolotl.py), through axolotl's own config loader, schema and CLI.
 
 axolotl pins other versions than this project (0.19.0: transformers 5.16.1, peft 0.20, trl 1.9), so these tests
-run in axolotl's own virtual environment, by hand (README, "With axolotl"); elsewhere they are skipped.
+run in axolotl's own virtual environment, by hand (docs/integrations.md, "axolotl"); elsewhere they are skipped.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import sys
 
 import pytest
 
-pytest.importorskip("axolotl", reason="axolotl is not installed: these tests run in its own venv (README, "
-                                      "'With axolotl')")
+pytest.importorskip("axolotl", reason="axolotl is not installed: these tests run in its own venv (docs/integrations.md, "
+                                      "'axolotl')")
 
 import ddp_patches  # noqa: E402
 from ddp_patches.integrations import axolotl as plugin  # noqa: E402
+
+pytestmark = pytest.mark.e2e
 
 PLUGIN = "ddp_patches.integrations.axolotl.DDPPatchesPlugin"
 _ENVIRON = dict(os.environ)  # as the session started: axolotl's in-process config tests write variables
@@ -30,7 +32,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE"
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny Qwen2 with its tokenizer and text datasets, written locally (nothing is downloaded)."""
-    from ddp_patches.verify.clients import build_assets
+    from tools.clients import build_assets
 
     root = tmp_path_factory.mktemp("axolotl")
     build_assets(str(root))

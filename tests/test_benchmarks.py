@@ -1,4 +1,4 @@
-"""The benchmark scripts run end to end at toy sizes and produce their JSON, plots and README rows.
+"""The benchmark scripts run end to end at toy sizes and produce their JSON, plots and docs/benchmarks.md rows.
 
 No timing or memory assertions here: the targets live in the benchmarks' own output.
 """
@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,6 +20,7 @@ def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
+@pytest.mark.slow
 def test_tiled_mlp_smoke_writes_json_plots_and_a_readme_row(tmp_path):
     proc = _run(["benchmarks/tiled_mlp.py", "--smoke", "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -39,6 +42,7 @@ def test_tiled_mlp_smoke_writes_json_plots_and_a_readme_row(tmp_path):
     assert "old" not in text and "| tiled MLP alone, no checkpoint" in text and text.endswith("rest\n")
 
 
+@pytest.mark.slow
 def test_offload_smoke_on_cpu_and_skip_message(tmp_path):
     proc = _run(["benchmarks/offload.py", "--smoke", "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -83,7 +87,7 @@ def test_gpu_proof_dry_run_and_its_readers(tmp_path):
 
 
 def test_gpu_proof_dry_run_never_touches_the_committed_results(tmp_path):
-    """A dry run without --out writes nothing (it used to replace docs/gpu-proof.json with placeholders), and one
+    """A dry run without --out writes nothing (it used to replace docs/data/gpu-proof.json with placeholders), and one
     that names the committed file is refused."""
     from benchmarks import gpu_proof
 
@@ -121,6 +125,7 @@ def test_gpu_proof_keeps_earlier_evidence_when_it_merges():
     assert "| cuda-tests | 2026-11-23 | pass | 13 passed |" in section
 
 
+@pytest.mark.slow
 def test_gpu_proof_default_group_fits_one_call(tmp_path):
     """Every step is in exactly one group; the default group is the four steps never run on a GPU, most valuable
     first, and its limits plus the harness's own seconds fit one device call of 540 s, as --dry-run reports
@@ -194,19 +199,21 @@ def test_gpu_proof_reads_the_new_steps_outputs():
     assert "| patched | 65536 | first OOM | 3.0 / 4.0 GiB | 1 |" in section and "Limit: attention_one_layer" in section
 
 
-def test_committed_gpu_proof_matches_the_readme_section():
-    """The README's GPU section is generated from docs/gpu-proof.json, not edited by hand."""
+@pytest.mark.docs
+def test_committed_gpu_proof_matches_its_docs_section():
+    """The GPU section of docs/benchmarks.md is generated from docs/data/gpu-proof.json, not edited by hand."""
     from benchmarks import gpu_proof
 
     with open(gpu_proof.DEFAULT_OUT) as f:
         proof = json.load(f)
-    with open(gpu_proof.README) as f:
+    with open(gpu_proof.PAGE) as f:
         assert gpu_proof.readme_section(proof) in f.read()
 
 
+@pytest.mark.slow
 def test_max_seq_smoke_finds_a_length_on_each_side(tmp_path):
     """Three sides (patched, (a) best unpatched, (b) plain HF), the per-token parts at the patched maximum with the
-    name of the largest, the ratios against both, and the README row."""
+    name of the largest, the ratios against both, and the docs/benchmarks.md row."""
     proc = _run(["benchmarks/max_seq.py", "--smoke", "--out-dir", str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "max_seq.json").read_text())
@@ -249,10 +256,11 @@ def test_an_exit_abort_is_told_apart_from_a_failing_rank():
     assert not aborted_only_at_exit(1, EXIT_ABORT_OUTPUT.replace("SIGABRT", "SIGSEGV"))
 
 
+@pytest.mark.slow
 def test_ddp_overhead_many_tensors_quick_keeps_earlier_rows_and_times_the_hooks(tmp_path):
     """The many-tensors configuration end to end at toy size (216 tensors, not 10,336): the worker confirms that
     find_unused=False fails without the library, the library's hooks are timed on their own, and the Llama figures
-    of an earlier default run in the same folder are kept for the README table."""
+    of an earlier default run in the same folder are kept for the docs/benchmarks.md table."""
     sys.path.insert(0, ROOT)
     from benchmarks import ddp_overhead
 

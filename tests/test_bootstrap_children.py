@@ -1,4 +1,4 @@
-"""Issue 27, part 5: ``ddp-patches-run`` and processes of another interpreter.
+"""``ddp-patches-run`` and processes of another interpreter.
 
 The runner puts ``ddp_patches/_bootstrap`` first on PYTHONPATH, and every Python process the command starts
 inherits it -- also one of another interpreter (the system's ``python3``, a tool's venv) that has no ddp_patches.

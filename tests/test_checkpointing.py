@@ -98,6 +98,7 @@ def single_rank_pool():
     p.close()
 
 
+@pytest.mark.slow
 def test_bit_identical_under_torchrun_with_one_process(single_rank_pool):
     assert single_rank_pool.run(world_size_one_case) == [True]
 

@@ -17,13 +17,15 @@ import pytest
 from tests.external import RUNNER, logged_losses, run_bounded, torchrun
 from tests.harness import _free_port
 
+pytestmark = pytest.mark.e2e
+
 SFT_REPEATS = 10  # exit-hang repetitions of the patched sft run: a 1-in-6 hang is caught with 84% probability
 EXIT_BOUND_S = 180
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from ddp_patches.verify.clients import build_assets
+    from tools.clients import build_assets
 
     return build_assets(str(tmp_path_factory.mktemp("client_assets")))
 
@@ -64,6 +66,7 @@ def adapter_loads_without_the_library(base: str, adapter: str) -> None:
     assert "ADAPTER OK" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_sft_script_unpatched_reentrant_fails(assets, tmp_path):
     out = sft(assets, str(tmp_path / "out"), patched=False, reentrant=True)
     assert out.returncode != 0 and "marked as ready twice" in out.stderr.replace("\n", " ")
@@ -84,6 +87,7 @@ def working_unpatched_losses(assets, tmp_path_factory):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("repeat", range(SFT_REPEATS))
 def test_sft_script_patched_trains_saves_and_exits(assets, tmp_path, working_unpatched_losses, repeat):
     out_dir = str(tmp_path / "out")
@@ -98,6 +102,7 @@ def test_sft_script_patched_trains_saves_and_exits(assets, tmp_path, working_unp
     shutil.rmtree(out_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_trl_console_entry(assets, tmp_path):
     args = common_args(assets, str(tmp_path / "out"), {"use_reentrant": True})
     cmd = [shutil.which("trl") or "trl", "sft", *args, "--dataset_name", assets["sft"], "--max_length", "32",
@@ -110,6 +115,7 @@ def test_trl_console_entry(assets, tmp_path):
     assert "DistributedDataParallel built with find_unused_parameters=True" in out.stderr  # the Trainer's choice
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["dpo", "grpo"])
 def test_dpo_and_grpo_scripts(assets, tmp_path, trainer):
     out_dir = str(tmp_path / "out")
@@ -117,7 +123,7 @@ def test_dpo_and_grpo_scripts(assets, tmp_path, trainer):
     if trainer == "dpo":
         args += ["--max_length", "32"]
     else:  # transformers generation and a reward function imported by dotted path
-        args += ["--reward_funcs", "ddp_patches.verify.clients.length_reward", "--num_generations", "2",
+        args += ["--reward_funcs", "tools.clients.length_reward", "--num_generations", "2",
                  "--max_completion_length", "8"]
     out = run_bounded(torchrun(trl_script(f"{trainer}.py"), *args, patched=True), timeout=EXIT_BOUND_S)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -123,6 +123,7 @@ def fsdp2_lm(ckpt_kwargs=None, reshard_after_forward=True, accum=1, tiled=False,
 REENTRANT, PEFT_KBIT, DEFAULT = {"use_reentrant": True}, {}, None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt_kwargs", [REENTRANT, PEFT_KBIT, DEFAULT], ids=["reentrant", "peft-kbit-{}", "default"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "no-reshard"])
 def test_fsdp2_lora_parity_and_the_swap_steps_aside(pool, ckpt_kwargs, reshard_after_forward):
@@ -210,7 +211,7 @@ def test_fsdp2_says_once_what_steps_aside(pool):
 
 # -- DeepSpeed ---------------------------------------------------------------------------------------------------
 def ddp_student_beside_zero3_teacher() -> dict:
-    """Item 9 of issue 18: a DDP student while an HfDeepSpeedConfig (ZeRO-3) is alive for a teacher. The checkpoint
+    """A DDP student while an HfDeepSpeedConfig (ZeRO-3) is alive for a teacher. The checkpoint
     swap acts for the student (the same layer checkpointed twice, reentrant: "marked ready twice" without it); a
     module with partitioned parameters (the teacher) is still DeepSpeed's."""
     from transformers.integrations import HfDeepSpeedConfig
@@ -246,7 +247,8 @@ def zero3_lora(reentrant=True, patched=True):
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from ddp_patches import offload, tiled_mlp
+    from ddp_patches import tiled_mlp
+    from ddp_patches.offload import offloader as offload
     from ddp_patches.verify.cpu_offload import cpu_path_offloader
     from ddp_patches.verify.hf_models import LORA_TARGETS, lm_batch, tiny_config
 
@@ -280,6 +282,7 @@ def zero3_lora(reentrant=True, patched=True):
         del keep
 
 
+@pytest.mark.slow
 @needs_deepspeed
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_zero3_runs_as_unpatched_and_every_patch_steps_aside(pool, reentrant):
@@ -311,7 +314,8 @@ def _compiled(outer: bool, backend: str):
 def compiled_ddp(ckpt_kwargs=None, outer=True, backend="aot_eager", patched=True):
     """apply(tiled_mlp=True) with offload forced through the CPU path, around a compiled DDP model: gradient parity,
     then one more step of a compiled model alone to count what acted on it."""
-    from ddp_patches import offload, tiled_mlp
+    from ddp_patches import tiled_mlp
+    from ddp_patches.offload import offloader as offload
     from ddp_patches.verify.cpu_offload import cpu_path_offloader
     from ddp_patches.verify.hf_models import build_lora_model, lm_batch, lm_loss, lm_parity
 
@@ -334,6 +338,7 @@ def compiled_ddp(ckpt_kwargs=None, outer=True, backend="aot_eager", patched=True
     (REENTRANT, True, "aot_eager"), (DEFAULT, True, "aot_eager"), (DEFAULT, False, "aot_eager"),
     (REENTRANT, True, "inductor"),
 ], ids=["compile(DDP)-reentrant", "compile(DDP)-default", "DDP(compile)-default", "compile(DDP)-reentrant-inductor"])
+@pytest.mark.slow
 def test_compiled_ddp_parity_and_patches_step_aside(pool, ckpt_kwargs, outer, backend):
     rank0, rank1 = pool.run(compiled_ddp, ckpt_kwargs=ckpt_kwargs, outer=outer, backend=backend, timeout=500)
     # inductor's CPU kernels differ from eager by 3.8e-7 (relative, fp64) in this model, measured the same
@@ -358,6 +363,7 @@ def trainer_compiled(patched=True):
     return {**result, "log": lines}
 
 
+@pytest.mark.slow
 def test_trainer_torch_compile_trains_like_unpatched(pool):
     plain = pool.run(trainer_compiled, patched=False, timeout=400)
     patched = pool.run(trainer_compiled, patched=True, timeout=400)

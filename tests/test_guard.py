@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ddp_patches
-from ddp_patches import guard
+from ddp_patches import guard, replica_check
 
 UNSYNCED = "never averaged"
 DIVERGED = "replica check before optimizer step"
@@ -179,8 +179,8 @@ def accelerate_accumulate(steps: int = 2) -> dict:
 def accelerate_trigger_sync(on_unsynced: str = "raise", steps: int = 2, dynamo_backend: str | None = None,
                             replica_check_every: int | None = None) -> dict:
     """accelerate's documented trigger_sync_in_backward: two forwards under accelerator.no_sync(), the first
-    backward local, the second inside trigger_sync_in_backward (DDP prepares itself: NOTE [A backward synced
-    without a synced forward]).
+    backward local, the second inside trigger_sync_in_backward (DDP prepares itself:
+    NOTE [A backward synced without a synced forward]).
 
     With ``dynamo_backend``, accelerate compiles the DDP-wrapped model (ACCELERATE_DYNAMO_BACKEND, as
     TrainingArguments(torch_compile=True) sets it): trigger_sync_in_backward then checks for a
@@ -280,7 +280,7 @@ def unwrapping_dpo(on_unsynced: str = "warn", unwrap: bool = True, patched: bool
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from ddp_patches.verify.clients import build_datasets, build_model_dir
+    from tools.clients import build_datasets, build_model_dir
     from ddp_patches.verify.hf_models import _barrier, _shared_tmpdir
 
     class UnwrappingDPOTrainer(DPOTrainer):
@@ -479,7 +479,7 @@ def replica_perturbed(every: int = 3, steps: int = 6, perturb_before: int = 4, o
                     ddp.module[2].bias[0] += 1e-4
             try:
                 opt.step()
-            except guard.ReplicaDivergenceError as exc:
+            except replica_check.ReplicaDivergenceError as exc:
                 error = str(exc)
                 break
             opt.zero_grad()
@@ -513,7 +513,7 @@ def replica_one_rank_skips(skipper: int, timeout_s: float = 2.0) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    old, guard.REPLICA_CHECK_TIMEOUT_S = guard.REPLICA_CHECK_TIMEOUT_S, timeout_s
+    old, replica_check.REPLICA_CHECK_TIMEOUT_S = replica_check.REPLICA_CHECK_TIMEOUT_S, timeout_s
     try:
         with ddp_patches.patched(replica_check_every=1), _Capture() as cap:
             ddp = _ddp(_mlp())
@@ -528,7 +528,7 @@ def replica_one_rank_skips(skipper: int, timeout_s: float = 2.0) -> dict:
             elapsed = time.perf_counter() - start
             in_sync = _in_sync(ddp.module)
     finally:
-        guard.REPLICA_CHECK_TIMEOUT_S = old
+        replica_check.REPLICA_CHECK_TIMEOUT_S = old
     return {"elapsed": elapsed, "skipped": cap.lines(SKIPPED), "all": cap.records, "in_sync": in_sync}
 
 
@@ -564,6 +564,7 @@ def guard_under_engine(engine: str) -> dict:
             "aside": cap.lines("steps aside for"), "tracked": tracked}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["FSDP2", "torch.compile"])
 def test_other_engines_train_without_a_false_alarm(pool, engine):
     results = pool.run(guard_under_engine, engine=engine, timeout=500)
@@ -576,6 +577,7 @@ def test_other_engines_train_without_a_false_alarm(pool, engine):
         assert len(results[0]["aside"]) == 1 and results[1]["aside"] == []
 
 
+@pytest.mark.slow
 def test_replica_check_stays_on_under_compile_and_catches_a_compiled_drift(pool):
     results = pool.run(accelerate_trigger_sync, on_unsynced="warn", steps=3, dynamo_backend="aot_eager",
                        replica_check_every=1, timeout=400)
@@ -609,6 +611,7 @@ def two_groups(steps: int = 3) -> dict:
     return {"all": cap.records}
 
 
+@pytest.mark.slow
 def test_two_ddp_groups_check_within_their_group():
     from tests.harness import DistPool
 
@@ -691,13 +694,13 @@ def test_both_checks_off_install_nothing_of_the_guard():
 
 def zero_redundancy(steps: int = 3, one_tensor: bool = False) -> dict:
     """torch's ZeroRedundancyOptimizer over a DDP: each rank steps its shard with a local optimizer (a step inside
-    a step) and broadcasts it afterwards; the replicas differ between the two by design (NOTE [Replica check before
-    the step])."""
+    a step) and broadcasts it afterwards; the replicas differ between the two by design
+    (NOTE [Replica check before the step])."""
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     rank = dist.get_rank()
-    old, guard.REPLICA_CHECK_TIMEOUT_S = guard.REPLICA_CHECK_TIMEOUT_S, 5.0
+    old, replica_check.REPLICA_CHECK_TIMEOUT_S = replica_check.REPLICA_CHECK_TIMEOUT_S, 5.0
     with ddp_patches.patched(on_unsynced="raise", replica_check_every=1), _Capture() as cap:
         torch.manual_seed(0)
         ddp = _ddp(nn.Linear(8, 1, bias=False) if one_tensor else _mlp())  # one tensor: rank 1's shard is empty
@@ -707,7 +710,7 @@ def zero_redundancy(steps: int = 3, one_tensor: bool = False) -> dict:
             opt.step()
             opt.zero_grad()
         in_sync = _in_sync(ddp.module)
-    guard.REPLICA_CHECK_TIMEOUT_S = old
+    replica_check.REPLICA_CHECK_TIMEOUT_S = old
     return {"all": cap.records, "in_sync": in_sync}
 
 
@@ -743,7 +746,7 @@ def elastic_attempts_case() -> dict:
                         time.sleep(1.0)  # rank 1 reaches the check first and reads the store
                     try:
                         opt.step()
-                    except guard.ReplicaDivergenceError as exc:
+                    except replica_check.ReplicaDivergenceError as exc:
                         errors.append(str(exc))
                     opt.zero_grad()
                 errors += cap.lines(DIVERGED)

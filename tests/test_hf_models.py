@@ -27,6 +27,7 @@ def lm_case(family, ckpt, ddp, accum, qlora=False, patched=True) -> dict:
         ).as_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [1, 2])
 @pytest.mark.parametrize("ddp", list(DDP_SETTINGS))
 @pytest.mark.parametrize("ckpt", list(CKPT_KWARGS))
@@ -45,6 +46,7 @@ def test_qlora_parity(pool, ddp, accum):
         assert r["ranks_in_sync"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ddp,accum,expected", [
     ("trainer-peft", 1, "marked as ready twice"),
     ("static", 2, "expect_autograd_hooks_"),

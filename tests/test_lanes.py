@@ -1,5 +1,5 @@
-"""The README's "Tested versions" block is generated from the lanes' committed results, and pyproject claims exactly
-the versions the lanes test (ddp_patches/verify/lanes.py)."""
+"""The "Tested versions" block of docs/compatibility.md is generated from the lanes' committed results, and pyproject
+claims exactly the versions the lanes test (tools/lanes.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import os
 import re
 import sys
 
-from ddp_patches.verify import compat, lanes
+import pytest
+from tools import compat, lanes
 
-REGENERATE = "run the lanes and `python -m ddp_patches.verify.lanes record <results>` if the change is intended"
+REGENERATE = "run the lanes and `python -m tools.lanes record <results>` if the change is intended"
 
 with open(lanes.JSON_PATH, encoding="utf-8") as _f:
     COMMITTED = json.load(_f)
@@ -28,9 +29,9 @@ def _requirements() -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r'"([A-Za-z_-]+)([<>=!][^"]*)"', text)}
 
 
-def test_readme_block_is_the_committed_lanes_rendered():
-    with open(lanes.README, encoding="utf-8") as f:
-        assert compat.readme_block(f.read(), lanes.START, lanes.END) == lanes.render(COMMITTED), REGENERATE
+@pytest.mark.docs
+def test_docs_block_is_the_committed_lanes_rendered():
+    assert compat.read_block(lanes.PAGE, lanes.START, lanes.END) == lanes.render(COMMITTED), REGENERATE
 
 
 def test_every_lane_is_recorded_and_passed():
@@ -58,9 +59,10 @@ def test_ci_runs_every_lane():
         script = f.read()
     for name in lanes.lanes():
         if name not in ("main", lanes.FLOATING):  # NOTE [Newest pinned, newest floating]
-            assert f"ddp_patches.verify.lanes run {name}" in script
+            assert f"tools.lanes run {name}" in script
 
 
+@pytest.mark.slow
 def test_a_lane_runs_with_a_relative_workdir(tmp_path, monkeypatch):
     """.ci/run passes ``--workdir .lanes``: the venv's python path was relative and the version query, which runs
     with cwd="/", did not find it (FileNotFoundError after the whole lane had run). The venv here is this
@@ -108,8 +110,8 @@ def _bare_venv(path) -> str:
 def test_a_lane_venv_clears_a_machine_wide_constraint(tmp_path, monkeypatch, capsys):
     """A fresh machine caps pip machine-wide (an XDG pip.conf naming torch<=2.14.1): a lane's venv clears that one
     key in its own pip.conf and says so in one line; where nothing is configured it writes nothing; where the cap
-    comes from a variable that outranks the venv's file, it stops and names it. NOTE [A lane's pins beat the
-    machine's cap]"""
+    comes from a variable that outranks the venv's file, it stops and names it.
+    NOTE [A lane's pins beat the machine's cap]"""
     cap = tmp_path / "xdg" / "pip"
     cap.mkdir(parents=True)
     (cap / "constraints.txt").write_text("# the machine's cap\ntorch<=2.14.1\ntorchvision<=0.29.1\n")

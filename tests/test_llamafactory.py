@@ -8,8 +8,8 @@ each is compared with the configuration that works unpatched (``ddp_find_unused_
 plain PEFT in a process without this library.
 
 LLaMA-Factory pins other versions than this project (0.9.5: transformers <= 5.6, peft <= 0.20, trl <= 0.24, and it
-needs torchvision and torchaudio), so these tests run in its own virtual environment, by hand (README, "With
-LLaMA-Factory"); elsewhere they are skipped.
+needs torchvision and torchaudio), so these tests run in its own virtual environment, by hand (docs/integrations.md,
+"LLaMA-Factory"); elsewhere they are skipped.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import sys
 import pytest
 
 llamafactory = pytest.importorskip(
-    "llamafactory", reason="LLaMA-Factory is not installed: these tests run in its own venv (README, 'With LLaMA-Factory')")
+    "llamafactory", reason="LLaMA-Factory is not installed: these tests run in its own venv (docs/integrations.md, 'LLaMA-Factory')")
 
 import transformers  # noqa: E402  (after the skip: only LLaMA-Factory's venv gets this far)
 import yaml  # noqa: E402  (LLaMA-Factory's own dependency)
+
+pytestmark = pytest.mark.e2e
 
 SEPARATE_EXPERTS = int(transformers.__version__.split(".")[0]) < 5
 _ENVIRON = dict(os.environ)
@@ -45,7 +47,7 @@ def _build_moe(path: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ddp_patches.verify.clients import tokenizer
+    from tools.clients import tokenizer
 
     tok = tokenizer()
     config = AutoConfig.for_model(
@@ -61,7 +63,7 @@ def _build_moe(path: str) -> None:
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny Qwen2 and a tiny Qwen3-MoE with their tokenizer, and a chat dataset LLaMA-Factory reads by name."""
-    from ddp_patches.verify.clients import build_assets
+    from tools.clients import build_assets
 
     root = tmp_path_factory.mktemp("lf")
     paths = build_assets(str(root))

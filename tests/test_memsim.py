@@ -1,6 +1,6 @@
 """The memory simulator (fake tensors, real model classes, the library's tiled MLP) and ``python -m ddp_patches plan``.
 
-Calibration: the simulator's peaks beside the active peaks measured on an H100 (docs/gpu-proof.json), within 10%.
+Calibration: the simulator's peaks beside the active peaks measured on an H100 (docs/data/gpu-proof.json), within 10%.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from ddp_patches import memsim, plan
 from tests.harness import ROOT
 
-GPU_PROOF = os.path.join(ROOT, "docs", "gpu-proof.json")
+GPU_PROOF = os.path.join(ROOT, "docs", "data", "gpu-proof.json")
 LLAMA_8B = os.path.join(ROOT, "tests", "data", "llama-3.1-8b")
 QWEN_VL_TEXT = os.path.join(ROOT, "tests", "data", "qwen2.5-vl-7b-text")
 TOLERANCE = 0.02  # measured: the layers within 2 KiB, the tiled MLP 1.2% (the issue asked for 10%)
@@ -28,6 +28,7 @@ def _measured(step: str) -> dict:
     return found["result"]
 
 
+@pytest.mark.slow
 def test_calibration_offload_gpu_bound():
     """Eight Llama-8B-shaped layers (vocab 32000), LoRA r=16, bf16, at 8K and 16K, offload off and on: the active
     peak of a step above what was live before it (benchmarks/offload.py --config gpu-bound on the H100)."""
@@ -53,6 +54,7 @@ def test_calibration_tiled_mlp():
         assert abs(tiled / row["peak_bytes_tiled"] - 1) <= TOLERANCE, (row["tokens"], tiled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [LLAMA_8B, QWEN_VL_TEXT], ids=["llama-3.1-8b", "qwen2.5-vl-7b-text"])
 def test_real_shapes_each_feature_lowers_the_peak(config):
     """A 32K-token step at full size (32 and 28 layers, extrapolated from 3 and 4): the fused head removes the
@@ -85,6 +87,7 @@ def _plan_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600, cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_plan_cli_on_a_local_config(tmp_path):
     """The planner on a local config.json, no network: each feature lengthens the longest sequence, and the
     table says it is a simulation, with one row per setup and whether ``--seq`` fits."""
@@ -116,6 +119,7 @@ def test_other_layouts_and_a_vlm_config(tmp_path):
         memsim.simulate(vlm, 1024, memsim.Features())
 
 
+@pytest.mark.slow
 def test_plan_cli_rejects_bad_input(tmp_path):
     bad = _plan_cli("--config", _tiny(tmp_path), "--gpu-memory", "lots")
     assert bad.returncode == 2 and "expected a size such as 80GiB" in bad.stderr
@@ -137,14 +141,16 @@ def test_longest_fits_and_a_step_beyond_its_tolerance_does_not(tmp_path):
     assert memsim.simulate(config, n + max(1024, n // 64), features).device > plan.usable(budget)
 
 
-def test_readme_table_is_the_committed_plans_rendered():
-    """The README's real-shape table is ``plan.readme_block`` of the committed planner outputs
-    (docs/plan-*.json, written by ``python -m ddp_patches plan --config tests/data/<model> --seq 131072 --json``)."""
+@pytest.mark.docs
+def test_docs_table_is_the_committed_plans_rendered():
+    """The real-shape table of docs/benchmarks.md is ``plan.readme_block`` of the committed planner outputs
+    (docs/data/plan-*.json, written by
+    ``python -m ddp_patches plan --config tests/data/<model> --seq 131072 --json``)."""
     results = {}
     for label, name in (("Llama-3.1-8B (32 layers)", "llama-3.1-8b"),
                         ("Qwen2.5-VL-7B language model (28 layers; tower not counted)", "qwen2.5-vl-7b-text")):
-        with open(os.path.join(ROOT, "docs", f"plan-{name}-80gib.json"), encoding="utf-8") as f:
+        with open(os.path.join(ROOT, "docs", "data", f"plan-{name}-80gib.json"), encoding="utf-8") as f:
             results[label] = json.load(f)
         assert results[label]["simulation"] and results[label]["budget"] == 80 * GiB
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
         assert plan.readme_block(results) in f.read()

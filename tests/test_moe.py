@@ -29,6 +29,7 @@ def parity_case(family, ckpt, ddp, patched=True) -> dict:
         return moe_parity(family, CKPT[ckpt], ddp_kwargs=kwargs, accum=accum).as_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ddp", list(DDP_CASES))
 @pytest.mark.parametrize("ckpt", list(CKPT))
 @pytest.mark.parametrize("family", PARITY_FAMILIES)
@@ -38,6 +39,7 @@ def test_moe_lora_parity(pool, family, ckpt, ddp):
         assert r["ranks_in_sync"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ddp,expected", [("find-unused-accum2", "marked as ready twice"),
                                           ("static-accum2", "expect_autograd_hooks_")])
 def test_unpatched_moe_fails(pool, ddp, expected):
@@ -74,6 +76,7 @@ def trainer_case(family, ckpt, static) -> dict:
         return train("trainer", family=family, ckpt_kwargs=CKPT[ckpt], static_graph=static, accum=2, steps=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt,static", [("reentrant", None), ("default", True)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_trains_under_hf_trainer(pool, family, ckpt, static):

@@ -1,7 +1,7 @@
 """ms-swift's ``swift sft`` on 2 CPU ranks, with the library switched on by its ``--external_plugins`` file.
 
 ms-swift pins other versions than this project (4.6.0: transformers 5.19, peft 0.20, trl 0.29), so these tests run in
-its own virtual environment, by hand (README, "With ms-swift"); elsewhere they are skipped.
+its own virtual environment, by hand (docs/integrations.md, "ms-swift"); elsewhere they are skipped.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 try:  # ms-swift's distribution (OpenStack Swift also installs a package named swift)
     importlib.metadata.version("ms-swift")
 except importlib.metadata.PackageNotFoundError:
-    pytest.skip("ms-swift is not installed: these tests run in its own venv (README, 'With ms-swift')",
+    pytest.skip("ms-swift is not installed: these tests run in its own venv (docs/integrations.md, 'ms-swift')",
                 allow_module_level=True)
 
 PLUGIN = "import ddp_patches\nddp_patches.apply()\n"  # the whole --external_plugins file
@@ -31,7 +33,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE"
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny Qwen2 with its tokenizer, a chat dataset and the plugin file, written locally (no download)."""
-    from ddp_patches.verify.clients import build_assets
+    from tools.clients import build_assets
 
     root = tmp_path_factory.mktemp("swift")
     build_assets(str(root))

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
-from ddp_patches import offload
-from ddp_patches.pinned_pool import size_class
+from ddp_patches.offload import offloader as offload
+from ddp_patches.offload.pinned_pool import size_class
 from ddp_patches.verify.cpu_offload import cpu_path_offloader, forced, offloading
 from ddp_patches.verify.raw_models import CheckpointStack, raw_batch
 

@@ -1,5 +1,5 @@
 """Offload acts on the composable ``checkpoint(module)`` that FSDP2 users apply per block, whichever was imported
-first (NOTE [Modules that imported the generator by name] in ddp_patches/offload.py)."""
+first (NOTE [Modules that imported the generator by name] in ddp_patches/offload/offloader.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ddp_patches
-from ddp_patches import offload
+from ddp_patches.offload import offloader as offload
 from ddp_patches.verify.cpu_offload import cpu_path_offloader, forced
 
 WIDTH = 16

@@ -2,7 +2,7 @@
 checks that show the race tests fail when a stream dependency is removed.
 
 Skipped without CUDA (CI has none). Run where a GPU exists: ``python -m pytest -q tests/test_offload_cuda.py``, or
-through ``python -m benchmarks.gpu_proof``, which records the results (docs/gpu-proof.json).
+through ``python -m benchmarks.gpu_proof``, which records the results (docs/data/gpu-proof.json).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
-from ddp_patches import offload
+from ddp_patches.offload import offloader as offload
 from ddp_patches.verify.cpu_offload import offloading
 from tests.harness import ROOT, _free_port
 
@@ -249,7 +249,7 @@ DDP_SCRIPT = r'''
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["ROOT"])
 import ddp_patches
-from ddp_patches import offload
+from ddp_patches.offload import offloader as offload
 from ddp_patches.verify.parity import run_parity
 from ddp_patches.verify.raw_models import CheckpointStack, raw_batch
 backend = os.environ["BACKEND"]
@@ -311,7 +311,7 @@ def test_stress_random_lengths_bf16_bit_equal_and_memory_levels_off():
     assert off.last_step.offloaded_tensors == 5
 
 
-# -- any unpack order and pinning ahead (issue 28, item 5) -----------------------------------------------------------
+# -- any unpack order and pinning ahead -----------------------------------------------------------
 @pytest.mark.parametrize("order_name", ["forward", "random", "reverse"])
 def test_any_unpack_order_on_streams_bit_identical_and_bounded(order_name):
     """The CPU contract (test_offload_lifecycle.py) on real streams, with the side stream slowed at random: a

@@ -14,8 +14,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
-from ddp_patches import offload, versions
-from ddp_patches.pinned_pool import size_class
+from ddp_patches import versions
+from ddp_patches.offload import offloader as offload
+from ddp_patches.offload.pinned_pool import size_class
 from ddp_patches.verify.cpu_offload import forced, offloading
 from ddp_patches.verify.raw_models import CheckpointStack
 
@@ -280,7 +281,7 @@ def test_evaluation_under_no_grad_between_steps_and_two_models():
 
 # -- 4. a failed pinned allocation inside forward -------------------------------------------------------------------
 def test_failed_pinned_allocation_keeps_the_tensor_with_one_warning(caplog):
-    from ddp_patches.pinned_pool import PinnedBufferPool
+    from ddp_patches.offload.pinned_pool import PinnedBufferPool
 
     def refuse(n):
         raise RuntimeError("CUDA error: out of memory")
@@ -451,7 +452,7 @@ def test_any_unpack_order_gives_exact_gradients_and_bounded_copies(order_name, d
 
 # -- 10. step 1 does not pay for pinning (NOTE [Pinning ahead] in pinned_pool.py) -------------------------------------
 def test_step_one_packs_find_buffers_pinned_ahead_and_the_cap_holds():
-    from ddp_patches.pinned_pool import PinnedBufferPool
+    from ddp_patches.offload.pinned_pool import PinnedBufferPool
 
     inside, ahead = [], []
 
@@ -499,7 +500,7 @@ def gc_cycle_case(with_library: bool) -> dict:
     gradients of the single-process reference on the global batch."""
     import gc
 
-    from ddp_patches.pinned_pool import PinnedBufferPool
+    from ddp_patches.offload.pinned_pool import PinnedBufferPool
     from ddp_patches.verify.cpu_offload import cpu_path_offloader
     from ddp_patches.verify.parity import run_parity
     from ddp_patches.verify.raw_models import raw_batch

@@ -1,4 +1,4 @@
-"""transformers' own checkpoint offload beside this library's (NOTE [One offload at a time] in ddp_patches/offload.py).
+"""transformers' own checkpoint offload beside this library's (NOTE [One offload at a time] in ddp_patches/offload/offloader.py).
 
 ``activation_checkpointing_enable(offload=True)`` wraps every checkpoint call in
 ``torch.autograd.graph.save_on_cpu(pin_memory=True, device_type=<accelerator or "cpu">)``. On a host without CUDA that
@@ -69,7 +69,7 @@ def _lora_llama(offload: bool, ckpt_kwargs: dict):
 def both_offloads(ours: bool, ckpt_kwargs: dict) -> dict:
     """DDP parity of LoRA with transformers' offload=True (and ours when ``ours``) against a single process on the
     global batch without any offload."""
-    from ddp_patches import offload
+    from ddp_patches.offload import offloader as offload
     from ddp_patches.verify.cpu_offload import cpu_path_offloader
     from ddp_patches.verify.hf_models import combine_lm, lm_batch, lm_loss
     from ddp_patches.verify.parity import run_parity

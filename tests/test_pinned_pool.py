@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from ddp_patches.pinned_pool import PinnedBufferPool, cgroup_limit_bytes, default_cap_bytes, size_class
+from ddp_patches.offload.pinned_pool import PinnedBufferPool, cgroup_limit_bytes, default_cap_bytes, size_class
 
 KIB = 1 << 10
 

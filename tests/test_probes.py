@@ -16,7 +16,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import ddp_patches
-from ddp_patches import checkpointing, offload, offload_probes, probes, reach, reducer, teardown, versions
+from ddp_patches import checkpointing, probes, reach, reducer, teardown, versions
+from ddp_patches.offload import offloader as offload
+from ddp_patches.offload import probes as offload_probes
 
 needs_offload = pytest.mark.skipif(versions.offload_unsupported_reason() is not None,
                                    reason=str(versions.offload_unsupported_reason()))
@@ -56,6 +58,7 @@ def test_every_assumption_holds_on_this_torch(module):
     assert probes._first_failure(module.ASSUMPTIONS) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["a user's module body", "the end of torch's import", "an import hook's find_spec"])
 def test_apply_inside_an_import_does_not_hang(tmp_path, where):
     """A probe thread waited for the module lock of an import the caller was still executing, and the caller

@@ -184,7 +184,7 @@ def test_a_layer_that_runs_and_feeds_nothing_fails_unpatched(pool):
         pool.run(ran_but_unused_case, static_graph=False, accum=1, patched=False)
 
 
-# -- issue 18: patterns that train without the library must train with it ------------------------------------
+# -- patterns that train without the library must train with it ------------------------------------
 # Each rank function returns the parity result (gradients every iteration against a single process on the global
 # batch, parameters bit-identical across ranks at the end).
 W = 8
@@ -247,7 +247,7 @@ def _static_after_construction(module, **kwargs):
 
 
 def static_set_late_case(patched: bool) -> dict:
-    """Item 1: no rank uses the branch in step 0, then only rank 0 does; static graph set after construction."""
+    """No rank uses the branch in step 0, then only rank 0 does; static graph set after construction."""
     return _parity(_Branchy, _flag_batch(lambda r, it: r == 0 and it >= 1), patched=patched,
                    wrap=_static_after_construction)
 
@@ -277,7 +277,7 @@ def _head_in_reentrant_checkpoint(model, x):
 
 
 def reentrant_loss_outside_forward_case(patched: bool) -> dict:
-    """Item 2, first shape: a reentrant checkpoint outside the DDP forward uses DDP's parameters."""
+    """A reentrant checkpoint outside the DDP forward uses DDP's parameters."""
     return _parity(_HiddenStates, _flag_batch(lambda r, it: 0), loss_fn=_head_in_reentrant_checkpoint,
                    patched=patched)
 
@@ -309,7 +309,7 @@ class _ParameterUsedDirectly(_HiddenStates):
 
 
 def parameter_used_directly_case(patched: bool) -> dict:
-    """Item 2, second shape: a reentrant Function inside the forward uses ``self.head.weight`` directly."""
+    """A reentrant Function inside the forward uses ``self.head.weight`` directly."""
     return _parity(_ParameterUsedDirectly, _flag_batch(lambda r, it: 0), patched=patched)
 
 
@@ -321,7 +321,7 @@ def test_reentrant_regions_the_forward_cannot_see_train(pool, case, patched):
 
 
 def no_grad_tower_static_case(patched: bool) -> dict:
-    """Item 3: LLaVA-style ``with torch.no_grad(): feats = self.vision(img)``, skipped on text-only batches, which
+    """LLaVA-style ``with torch.no_grad(): feats = self.vision(img)``, skipped on text-only batches, which
     come on different steps on each rank; static_graph=True."""
     return _parity(lambda: _Branchy(branch_no_grad=True), _flag_batch(lambda r, it: (r + it) % 2 == 0),
                    patched=patched, ddp_kwargs={"static_graph": True})
@@ -349,7 +349,7 @@ def _dataclass_mse(model, x):
 
 
 def dataclass_output_case(patched: bool) -> dict:
-    """Item 6: the output is a plain @dataclass; rank 1 never uses the branch."""
+    """The output is a plain @dataclass; rank 1 never uses the branch."""
     return _parity(_DataclassOutput, _flag_batch(lambda r, it: r == 0), loss_fn=_dataclass_mse, patched=patched)
 
 

@@ -191,6 +191,7 @@ def late_fire_among_collectives_case(patched: bool = True) -> dict:
     return _parity(_ReentrantHead, _batch(W), wrap, patched, iters=2)
 
 
+@pytest.mark.slow
 def test_a_late_fire_among_collectives_fails_loudly(pool):
     """Where a reentrant Function in the graph keeps the unused branch's hook for the end of the backward and the
     model all-reduces in its backward, the rank without the branch raises, naming the fixes, instead of pairing

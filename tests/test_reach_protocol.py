@@ -1,6 +1,6 @@
-"""The library's count-all-reduce follows DDP's own collectives on every rank (NOTE [One collective per reduction,
-on every rank] in ddp_patches/reach.py): Join with uneven inputs, a backward that reaches the parameters but not
-the outputs, and no host read-back of the reduced counts where every parameter had a gradient.
+"""The library's count-all-reduce follows DDP's own collectives on every rank
+(NOTE [One collective per reduction, on every rank]): Join with uneven inputs, a backward that reaches the parameters
+but not the outputs, and no host read-back of the reduced counts where every parameter had a gradient.
 
 Each rank function returns, per iteration it took part in, the relative gradient error against a single process
 that runs the active ranks' batches (divided by the world size, as DDP's Join does by default), and whether each
@@ -323,7 +323,7 @@ def _cuda_sync_rank(rank: int, world: int, port: int, q) -> None:
             dist.destroy_process_group()
 
 
-# -- torch 2.15's DDP options (issue 29) ------------------------------------------------------------------------
+# -- torch 2.15's DDP options ------------------------------------------------------------------------
 _TORCH_2_15 = pytest.mark.skipif(not hasattr(torch.nn.parallel.DistributedDataParallel, "finalize_backward"),
                                  reason="DDP's manual backward finalization and lazy bucket allocation: torch 2.15")
 

@@ -28,7 +28,7 @@ def released_case() -> dict:
         released = isinstance(ddp.reducer, ReleasedReducer) and ddp.process_group is None
         with torch.no_grad():
             ddp(torch.randn(2, 4))  # evaluation needs no reducer
-        ddp(torch.randn(2, 4))  # a forward with grad needs no collective either (issue 27)
+        ddp(torch.randn(2, 4))  # a forward with grad needs no collective either
         try:
             ddp(torch.randn(2, 4)).sum().backward()  # a synced backward would all-reduce: refused, clearly
             message = "no error"
@@ -57,7 +57,7 @@ def trainable_changed_case(change: str) -> str:
             model[0].weight.requires_grad_(True)
         else:
             model[1].bias.requires_grad_(False)
-        try:  # unfrozen: refused at the forward; frozen: at the backward, where DDP would wait for it (issue 27)
+        try:  # unfrozen: refused at the forward; frozen: at the backward, where DDP would wait for it
             ddp(torch.randn(2, 4)).sum().backward()
         except ddp_patches.TrainableParametersChangedError as e:
             return str(e)
@@ -119,6 +119,7 @@ with open(os.path.join(os.environ["OUT"], f"{sys.argv[1]}-{rank}"), "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_destroyed_default_group_is_freed_not_kept_by_default_arguments(tmp_path):
     """NOTE [Groups held by default arguments]: unpatched, torch.distributed.nn.functional's ``group=group.WORLD``
     defaults keep the destroyed group and its gloo threads alive until interpreter exit, where a worker can abort
@@ -204,12 +205,13 @@ def test_teardown_asks_without_side_effects_in_a_collectives_only_script(tmp_pat
     assert seen == {f"{when}-{r}": "False" for when in ("destroy", "exit") for r in (0, 1)}, seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end", ["exit", "destroy"])
 def test_a_finished_collective_does_not_abort_the_exit(tmp_path, end):
     """NOTE [A pause at exit]: without the pause this script aborts at exit in most runs ("terminate called without
     an active exception", exit -6; 15 of 20 here with the library's pause left out); patched, none may. Ended by
-    destroy_process_group, it hangs there without the library on torch < 2.8 (9 of 20 runs on 2.4.0: NOTE [Freeing
-    a group needs a GIL-free destructor]); patched, none may."""
+    destroy_process_group, it hangs there without the library on torch < 2.8 (9 of 20 runs on 2.4.0:
+    NOTE [Freeing a group needs a GIL-free destructor]); patched, none may."""
     from tests.external import EXIT_ABORT, run_bounded, torchrun
     from tests.harness import ROOT
 

@@ -1,5 +1,5 @@
-"""Tiled MLP inside a non-reentrant checkpoint: the recompute ends before the tiled forward (NOTE [Recompute ends
-before the tiled forward] in ddp_patches/tiled_mlp.py).
+"""Tiled MLP inside a non-reentrant checkpoint: the recompute ends before the tiled forward
+(NOTE [Recompute ends before the tiled forward] in ddp_patches/tiled_mlp.py).
 
 Each case trains 2 steps on 2 gloo ranks fed different data three ways -- untiled, the tiled path as it was before
 the change (``LegacyTiledMLPFunction`` below, swapped in for ``tiled_mlp.apply_tiled``), and the tiled path as it
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import ddp_patches
-from ddp_patches import engines, offload, tiled_mlp
+from ddp_patches import engines, tiled_mlp
+from ddp_patches.offload import offloader as offload
 from ddp_patches.tiled_mlp import _autocast_state, _replay, _rng_state
 from ddp_patches.verify import fsdp2, hf_models, mlp_models, tiny, vlm_models
 from ddp_patches.verify.cpu_offload import cpu_path_offloader
@@ -159,8 +160,8 @@ def _count_rows(model) -> list[int]:
     """A one-element counter of the rows through every gated MLP's gate_proj (forward, recompute, replay)."""
     rows = [0]
 
-    # A wrapped forward, not a forward hook: a hook inside a gated MLP makes it run untiled (NOTE [Hooks inside a
-    # tiled MLP]), which is what this counter must not change.
+    # A wrapped forward, not a forward hook: a hook inside a gated MLP makes it run untiled
+    # (NOTE [Hooks inside a tiled MLP]), which is what this counter must not change.
     def counted(forward):
         def forward_and_count(x, *args, **kwargs):
             rows[0] += x.numel() // x.shape[-1]
@@ -258,6 +259,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiled_mlp_runs_no_extra_forward_in_the_recompute(pool, case):
     name, kwargs, expected, tol = CASES[case]

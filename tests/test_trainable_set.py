@@ -1,6 +1,6 @@
-"""The trainable-set check (ddp_patches/reducer.py, NOTE [A frozen parameter is judged at the backward]).
+"""The trainable-set check (ddp_patches/trainable_set.py, NOTE [A frozen parameter is judged at the backward]).
 
-Issue 27: two patterns that train without the library were refused at the forward. Each runs here without and with
+Two patterns that train without the library must train with it. Each runs here without and with
 the library under real 2-rank DDP (gloo, each rank its own data) against a single process on the global batch;
 the errors the check keeps are the ones where DDP without the library fails or drifts.
 """

@@ -13,6 +13,8 @@ import pytest
 
 from tests.external import RUNNER, aborted_only_at_exit, run_bounded, torchrun
 
+pytestmark = pytest.mark.e2e
+
 UPSTREAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "upstream")
 TO_THE_END = os.path.join(UPSTREAM, "to_the_end.py")  # runs the script unchanged, then says it returned
 # PyTorch's DDP tests that run on CPU/gloo (the rest need CUDA devices); all pass unpatched.
@@ -32,6 +34,7 @@ def accelerate_script(name: str) -> str:
     return os.path.join(os.path.dirname(scripts.__file__), name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 @pytest.mark.parametrize("script", ["test_sync.py", "gpu-gated sections"])
 def test_accelerate_test_sync(script, patched):
@@ -49,6 +52,7 @@ def test_accelerate_test_sync(script, patched):
         assert "DistributedDataParallel built with" in out.stderr  # the ranks really were patched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
 def test_pytorch_ddp_tests_cpu_subset(tmp_path, patched):
     env = {"BACKEND": "gloo", "WORLD_SIZE": "2", "TEMP_DIR": str(tmp_path), "INIT_METHOD": f"file://{tmp_path}/init"}

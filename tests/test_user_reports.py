@@ -1,12 +1,12 @@
-"""Every public failure report in the maintainers' collection (USER_REPORTS.md), reproduced on 2 gloo ranks with
+"""Every public failure report we know of in this area (the "Known reports" table), reproduced on 2 gloo ranks with
 different data per rank: unpatched it fails the way the report says (or the pinned versions already fixed it,
 asserted as such), patched it trains with gradients equal to a single process on the global batch (Trainer/TRL
 runs: losses equal to the configuration that works unpatched, ranks in sync), or -- where the library cannot fix
 the pattern -- it fails loudly (an error, or the guard's WARNING/ERROR), never silently.
 
-Each test ends with ``record(...)``: the measured outcome must equal the committed row of docs/user-reports.json,
-and the README's "Known reports" block is that file rendered (``ddp_patches/verify/user_reports.py``), so the
-table cannot claim what these tests do not measure. ``python -m ddp_patches.verify.user_reports`` re-runs this
+Each test ends with ``record(...)``: the measured outcome must equal the committed row of docs/data/user-reports.json,
+and the "Known reports" block of docs/compatibility.md is that file rendered (``tools/user_reports.py``), so the
+table cannot claim what these tests do not measure. ``python -m tools.user_reports`` re-runs this
 file and rewrites both after a deliberate change.
 
 Raw-DDP rank functions run their unpatched, failing half on a fresh process group with a short timeout
@@ -24,12 +24,13 @@ import inspect
 import json
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import ddp_patches
-from ddp_patches.verify import user_reports
+from tools import user_reports
 from tests.test_guard import DIVERGED, UNSYNCED, _Capture
 
 REENTRANT = {"use_reentrant": True}
@@ -140,6 +141,7 @@ def reward_two_forwards(patched: bool) -> dict:
                                        _pairwise_loss, g, iters=2), patched=patched)
 
 
+@pytest.mark.slow
 def test_trl_480_reward_two_forwards(pool):
     unpatched, patched = _both(pool, reward_two_forwards)
     assert _same(unpatched) == "error: marked as ready twice"
@@ -200,8 +202,8 @@ def test_peft_899_modules_to_save(pool):
 
 
 def _version(package: str) -> str:
-    """A placeholder the README renders with the version the battery was recorded on (NOTE [Rows name versions
-    by placeholder] in ddp_patches/verify/user_reports.py): the row asserted here is the same on any version."""
+    """A placeholder the page renders with the version the battery was recorded on (tools/user_reports.py): the row
+    asserted here is the same on any version. NOTE [Rows name versions by placeholder]"""
     return user_reports.version_placeholder(package)
 
 
@@ -503,6 +505,7 @@ def compile_case(patched: bool, dim: int, where: str, backend: str = "aot_eager"
         torch._dynamo.reset()  # the next task of this worker must not inherit the compiled graphs
 
 
+@pytest.mark.slow
 def test_pytorch_144035_compile_checkpoint(pool):
     """aot_eager here (inductor compiles C++ for a minute per case on 2 cores; tried once by hand: the same
     outcome): the report's CheckpointError does not appear at either size or placement, with or without the
@@ -721,7 +724,7 @@ def test_llamafactory_5680_vlm_text_only_rank(pool):
 
 # -- TRL trainers (DPO, KTO, GRPO) with LoRA through peft_config, as the reports configure them ------------------
 def _trl_trainer(kind: str, root: str, ckpt_kwargs, steps: int, qlora: bool = False):
-    """TRL's real trainer on the offline tiny Qwen2 (ddp_patches.verify.clients), LoRA on every linear layer
+    """TRL's real trainer on the offline tiny Qwen2 (tools.clients), LoRA on every linear layer
     (``qlora``: on the model loaded 4-bit, bitsandbytes nf4 on CPU), checkpointing through the config with
     ``ckpt_kwargs``, the Trainer's own DDP settings."""
     from datasets import Dataset
@@ -729,7 +732,7 @@ def _trl_trainer(kind: str, root: str, ckpt_kwargs, steps: int, qlora: bool = Fa
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     import trl
-    from ddp_patches.verify.clients import length_reward
+    from tools.clients import length_reward
 
     common = dict(output_dir=f"{root}/out", per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-2,
                   use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1,
@@ -762,7 +765,7 @@ def _trl_trainer(kind: str, root: str, ckpt_kwargs, steps: int, qlora: bool = Fa
 def trl_run(kind: str, patched: bool, ckpt_kwargs, steps: int = 2, qlora: bool = False) -> dict:
     """One TRL run; an error is caught on the rank and returned. The ranks then meet in a monitored barrier: if the
     failure left the default group out of step, that raises and the pool restarts."""
-    from ddp_patches.verify.clients import build_datasets, build_model_dir
+    from tools.clients import build_datasets, build_model_dir
     from ddp_patches.verify.hf_models import _barrier, _shared_tmpdir
     from ddp_patches.verify.parity import params_equal_across_ranks
 
@@ -862,8 +865,9 @@ def test_trl_921_sft_qlora_kbit(pool):
            status=user_reports.UPSTREAM)
 
 
-# -- the README table ---------------------------------------------------------------------------------------------
-def test_every_report_has_a_test_and_a_committed_row_for_the_readme():
+# -- the docs table -----------------------------------------------------------------------------------------------
+@pytest.mark.docs
+def test_every_report_has_a_test_and_a_committed_row():
     tests = {name for name, _ in inspect.getmembers(sys.modules[__name__], inspect.isfunction)}
     missing = [r.test for r in user_reports.REPORTS if r.test not in tests]
     assert not missing, missing
@@ -871,11 +875,11 @@ def test_every_report_has_a_test_and_a_committed_row_for_the_readme():
         assert list(json.load(f)["reports"]) == [r.key for r in user_reports.REPORTS]
 
 
-def test_readme_block_is_the_committed_battery_rendered():
-    from ddp_patches.verify import compat
+@pytest.mark.docs
+def test_docs_block_is_the_committed_battery_rendered():
+    from tools import compat
 
     with open(user_reports.JSON_PATH, encoding="utf-8") as f:
         data = json.load(f)
-    with open(compat.README, encoding="utf-8") as f:
-        block = compat.readme_block(f.read(), user_reports.START, user_reports.END)
-    assert block == user_reports.render(data), "re-run `python -m ddp_patches.verify.user_reports --render-only`"
+    block = compat.read_block(user_reports.PAGE, user_reports.START, user_reports.END)
+    assert block == user_reports.render(data), "re-run `python -m tools.user_reports --render-only`"

@@ -10,14 +10,15 @@ from __future__ import annotations
 import pytest
 
 import ddp_patches
-from ddp_patches import offload
+from ddp_patches.offload import offloader as offload
 from ddp_patches.verify.vlm_models import SPECS
 
 REENTRANT = {"use_reentrant": True}
 
 
 def vlm_trainer_case(kind: str, family: str, *, patched: bool = True, **kwargs) -> dict:
-    from ddp_patches import offload, tiled_mlp
+    from ddp_patches import tiled_mlp
+    from ddp_patches.offload import offloader as offload
     from ddp_patches.verify.cpu_offload import cpu_path_offloader
     from ddp_patches.verify.trainer_runs import train
 
@@ -55,6 +56,7 @@ def _check(results: list[dict]) -> None:
     assert any(m > 0 for m in moved), [r["offload_stats"] for r in results]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("family", list(SPECS))
 def test_hf_trainer_vlm(pool, family, config):
@@ -96,6 +98,7 @@ def vlm_parity_case(family: str, ckpt_kwargs, lora_on_vision: bool, ddp_kwargs: 
     (REENTRANT, False, {}, 2, None),
     ({}, True, {}, 1, None),
 ], ids=["reentrant-vision-lora-text-only-rank", "static-accum-text-only-rank", "defaults-accum", "empty-kwargs"])
+@pytest.mark.slow
 def test_qwen2_vl_gradient_parity(pool, ckpt_kwargs, lora_on_vision, ddp_kwargs, accum, text_only_rank):
     for r in pool.run(vlm_parity_case, family="qwen2_vl", ckpt_kwargs=ckpt_kwargs, lora_on_vision=lora_on_vision,
                       ddp_kwargs=ddp_kwargs, accum=accum, text_only_rank=text_only_rank):

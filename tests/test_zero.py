@@ -346,6 +346,7 @@ print("TRAINED")
 '''
 
 
+@pytest.mark.slow
 def test_a_parameter_unused_on_one_rank_fails_under_zero2_as_without_the_library(tmp_path):
     """ZeRO-2's bucketed reduce differs by rank when a parameter gets no gradient on one of them: the collective
     sizes mismatch, without checkpointing and without the library too. The library neither hides nor changes it."""
@@ -397,6 +398,7 @@ print("OK")
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [_IMPORTED_LATER, _REVERTED_BEFORE_IMPORT], ids=["imported-later", "reverted-first"])
 def test_the_engine_constructor_is_patched_when_deepspeed_is_imported_and_restored_by_revert(script):
     import subprocess

@@ -1,20 +1,19 @@
 """Start-up hook of ``ddp-patches-run`` (ddp_patches/autoapply.py): apply() once torch is imported.
 
 This directory is put first on PYTHONPATH only by ``ddp-patches-run``; the sitecustomize it shadows (the user's,
-or the system's, further on the path) is imported right after, in every interpreter: NOTE [A start-up hook in
-every interpreter].
+or the system's, further on the path) is imported right after, in every interpreter
+(NOTE [A start-up hook in every interpreter]).
 """
 
 # NOTE [A start-up hook in every interpreter]
-# PYTHONPATH reaches every Python process the command starts, not only those whose interpreter has ddp_patches:
-# a helper run with the system's ``python3``, a tool's own venv. There ``from ddp_patches import autoapply``
-# failed, site.py printed "Error in sitecustomize ... ModuleNotFoundError: No module named 'ddp_patches'" in
-# every such process, and the sitecustomize this file shadows (Debian ships one, apport's hook) no longer ran.
-# So this file imports only the standard library itself; where ddp_patches cannot be found it does nothing and
-# says nothing (there is nothing to apply in an interpreter without the library: torch, if it has one, runs
-# unpatched, as it would without the runner); and in every case it chains the next sitecustomize on the path with
-# its own code, since the library may be missing. Any other error -- in ddp_patches, or in the sitecustomize it
-# chains -- is shown, as Python shows it.
+# Invariant: PYTHONPATH reaches every Python process the command starts, including interpreters without
+# ddp_patches (a helper run with the system's ``python3``, a tool's own venv); there this hook is silent and inert,
+# and the sitecustomize it shadows (Debian ships one, apport's hook) still runs.
+# Rule: this file imports only the standard library itself; where ddp_patches cannot be found it does nothing and
+# says nothing (torch, if that interpreter has one, runs unpatched, as without the runner); in every case it
+# chains the next sitecustomize on the path with its own code, since the library may be missing. Any other error
+# -- in ddp_patches, or in the sitecustomize it chains -- is shown, as Python shows it.
+# Test: tests/test_bootstrap_children.py::test_a_child_of_another_interpreter_is_silent_and_runs_the_shadowed_sitecustomize.
 
 import os
 import sys

@@ -1,4 +1,5 @@
-"""Verification helpers shared by validate_ddp_fix.py and the tests: model builders and the parity loop.
+"""Verification helpers shared by the validation harness (``validate.py``) and the tests: model builders and the
+parity loop.
 
 Nothing here is imported by ``import ddp_patches``; it pulls in transformers/peft only when a builder needs them.
 """

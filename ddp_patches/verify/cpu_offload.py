@@ -28,7 +28,7 @@ def forced(**kwargs) -> CheckpointInputOffloader:
 def offloading(offloader: CheckpointInputOffloader) -> Iterator[CheckpointInputOffloader]:
     """apply(offload=True) installs the generator patch; ``offloader`` replaces the default one inside the block."""
     import ddp_patches
-    from ddp_patches import offload
+    from ddp_patches.offload import offloader as offload
 
     with ddp_patches.patched(offload=True), offload.use_offloader(offloader):
         yield offloader

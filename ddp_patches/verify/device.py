@@ -1,6 +1,6 @@
-"""Where verification runs: CPU by default; ``DDP_PATCHES_DEVICE=cuda`` (validate_ddp_fix.py --device cuda, or
---backend nccl) puts each rank on ``cuda:LOCAL_RANK``, wrapping around the visible GPUs (two gloo ranks share one
-GPU; NCCL needs one GPU per rank, which validate_ddp_fix.py checks)."""
+"""Where verification runs: CPU by default; ``DDP_PATCHES_DEVICE=cuda`` (``python -m ddp_patches validate --device
+cuda``, or ``--backend nccl``) puts each rank on ``cuda:LOCAL_RANK``, wrapping around the visible GPUs (two gloo
+ranks share one GPU; NCCL needs one GPU per rank, which ``validate.py`` checks)."""
 
 from __future__ import annotations
 

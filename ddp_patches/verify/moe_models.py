@@ -20,7 +20,7 @@ from torch import nn
 from . import tiny
 from .hf_models import lm_batch, lm_loss, lm_parity
 
-# The MoE families named in the issue that have a causal-LM class; Qwen3-VL-MoE runs in the VLM sweep.
+# The supported MoE families that have a causal-LM class; Qwen3-VL-MoE runs in the VLM sweep.
 FAMILIES = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "glm4_moe")
 PARITY_FAMILIES = ("qwen3_moe", "mixtral")
 EXPERTS, TOP_K = 8, 2

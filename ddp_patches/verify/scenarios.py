@@ -1,4 +1,5 @@
-"""Named end-to-end scenarios for validate_ddp_fix.py: each runs on every rank and returns a result dict.
+"""Named end-to-end scenarios for the validation harness (``validate.py``): each runs on every rank and returns a
+result dict.
 
 A scenario passes when it finishes, its loss is finite, every rank holds the same trainable weights and, where
 it has a full-batch reference, the gradient error is within its tolerance.
@@ -44,7 +45,7 @@ def _offload_stack(accum=2, **ddp_kwargs):
         import torch
 
         import ddp_patches
-        from ddp_patches import offload
+        from ddp_patches.offload import offloader as offload
 
         from .cpu_offload import cpu_path_offloader
         from .parity import run_parity
@@ -112,7 +113,7 @@ def _fsdp2_offload(accum=2):
 
     def run():
         import ddp_patches
-        from ddp_patches import offload
+        from ddp_patches.offload import offloader as offload
 
         from .cpu_offload import cpu_path_offloader
         from .fsdp2 import run_fsdp2_parity

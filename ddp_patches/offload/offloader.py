@@ -1,89 +1,9 @@
-"""Mechanism 3: the inputs of every non-reentrant checkpoint go to (pinned) host memory until backward.
+"""Offload of checkpoint inputs: the inputs of every non-reentrant checkpoint go to (pinned) host memory until
+backward (``apply(offload=True)``).
 
-# NOTE [What the outer hook sees]
-# A non-reentrant checkpoint saves its positional tensor inputs (``_CheckpointFrame.save_inputs`` in torch
-# 2.13, ``_NoopSaveInputs`` before) *before* it pushes its own ``_checkpoint_hook``; everything the region saves
-# afterwards goes to that inner hook and is recomputed in backward. saved_tensors_hooks form a stack and only the
-# top one is called. So hooks pushed around the whole checkpoint call see exactly the checkpoint inputs -- a
-# decoder layer's input hidden states, which is what non-reentrant checkpointing keeps on the device between
-# forward and backward -- and nothing else. ``checkpoint()`` looks up the module global
-# ``_checkpoint_without_reentrant_generator`` at call time; wrapping it reaches every non-reentrant call
-# (transformers' layers, the reentrant calls the checkpointing patch converts, user code) with no change to what
-# the checkpoint computes. The wrapper delegates with ``yield from``, so our hooks are pushed before and popped
-# after the checkpoint's own (the stack stays balanced, also when the region raises).
-#
-# The hooks are not pushed when another saved-tensor hook is already on top: inside an outer checkpoint (a
-# nested checkpoint's inputs belong to the outer frame), under the user's own ``save_on_cpu``, or during
-# backward recomputation. ``pack`` also returns its input untouched while a backward runs, so a recomputed
-# tensor is never re-packed.
-#
-# NOTE [What is never offloaded]
-# Moving a tensor frees device memory only if nothing else holds its storage. Parameters, views of parameters
-# (``F.linear`` saves ``weight.t()``, which an isinstance(Parameter) check misses) and other leaves that require
-# grad are held by the module or by autograd's AccumulateGrad node; an expanded tensor (a stride of 0) is a view
-# of something smaller; a tensor under ``min_bytes`` is not worth a copy (``offload_policy.keep_reason``, at
-# pack). Moving a tensor that something else still holds frees nothing: a view or ``detach()`` alias of live
-# memory, a list of hidden states kept for ``output_hidden_states``, another op that saved the same tensor. That
-# is judged when the device tensor would be dropped (``offload_policy.sole_owner``: Python, TensorImpl and storage
-# use counts); such a tensor stays on the device, its host copy is given back, and it is counted under
-# ``kept``, never as offloaded. The last checkpoint input of a forward is never dropped either: it is still in
-# the in-flight window (NOTE [Copies, streams and lifetimes]) when backward asks for it first, so it is served
-# from the device with no copy in.
-#
-# NOTE [Copies, streams and lifetimes]
-# pack starts the device-to-host copy at once (``offload_copier``): into a pinned buffer (``pinned_pool``; while
-# the forward grows, as in step 1, a background thread pins the next buffers of the class ahead of the packs that
-# will take them: NOTE [Pinning ahead] there), on one
-# side stream per device that first waits for the compute stream, so the copy reads a finished tensor and
-# overlaps the next layer's forward. The device tensor is kept on its handle while the copy is in flight: the
-# inputs of the last ``max_in_flight`` checkpoint regions are (a window, as TransformerEngine bounds its offload).
-# When a new region begins, the inputs of the oldest one are released: the compute stream *waits on the GPU* for
-# their copies' events, then the handles drop their device tensors, so the caching allocator gives the blocks
-# straight back to the compute stream
-# and stream order makes the reuse safe. This replaced ``record_stream``, which holds a block until the *CPU*
-# observes the side stream's event: a GPU-bound run, whose CPU is far ahead, never observed it in time, and on an
-# H100 the active-memory peak did not drop at all (docs/gpu-runs/README.md). The wait also bounds the backlog: a
-# forward that outruns the bus stalls on the GPU rather than piling up device tensors "offloaded" but not freed.
-# With one layer's compute between a copy's start and its wait, the wait is normally already satisfied.
-# In backward, unpacking layer k's input starts the host-to-device copies of the ``prefetch_depth`` inputs
-# guessed to be needed next (``offload_restore``: the nearest earlier ones not back yet; torch leaves the unpack
-# order unspecified, so the guess only affects speed, and at most ``prefetch_depth`` prefetched tensors wait at
-# once: NOTE [Any unpack order]), into tensors allocated on the compute stream (the copy first waits for the
-# kernels enqueued so far, the earliest point at which a reused block is free); the compute stream waits on that
-# copy's event before using it. A prefetched tensor dropped unused (a wrong guess, a graph freed) first makes the
-# compute stream wait for its copy (``offload_copier.PrefetchedInput``). A restored tensor is kept on its handle
-# until autograd frees the handle (no longer than the device tensor would have lived without offload), so a
-# tensor shared by several checkpoints (a 4-D mask passed positionally, ``checkpoint(f, h, h)``) crosses the bus
-# at most once each way per step. Without CUDA (CPU tests) the same code runs with synchronous copies into
-# ordinary host memory (``offload_copier.SyncCopier``); ``non_blocking`` is never used with pageable memory.
-#
-# NOTE [In-place edits after pack]
-# autograd compares a saved tensor's version counter at unpack and raises "one of the variables needed for
-# gradient computation has been modified by an inplace operation" -- but not when saved-tensor hooks are
-# registered (torch/csrc/autograd/saved_variable.cpp: "we can't track versions through the hooks"). Offload would
-# then silently hand back the old values and produce a wrong gradient. Each handle therefore keeps a *version
-# witness*: ``t.detach()`` (which shares t's version counter) with its storage swapped for an empty one
-# (``.data =``), so it follows every in-place edit of t or of any view of it, and holds no device memory. unpack
-# compares it with the version at pack and raises autograd's own error, for inputs kept on the device too.
-#
-# NOTE [Step windows]
-# Nothing marks "backward has begun" reliably: an unpack can happen inside a forward (``torch.autograd.grad`` for
-# a gradient penalty), two forwards can precede one backward, a backward can raise midway, a forward can be
-# thrown away. So there is no backward flag: a handle lives exactly as long as autograd keeps the saved input,
-# an input still in the in-flight window is released by the next pack if it is still alive, and a new accounting
-# window (one
-# micro-step in ``stats``) starts at the first pack after a backward has reached the window's inputs and every
-# one of its handles has been freed (a checkpoint output dropped inside a forward frees handles too early to
-# mark a step).
-# The bookkeeping holds weak references only and is pruned at each pack, so it stays bounded whatever the user
-# does.
-#
-# NOTE [Several devices]
-# A model split over GPUs in one process (``device_map``) packs inputs from several devices. Each device has its
-# own copy stream, and the pool keeps free buffers per device, because buffer reuse is ordered by the copy
-# stream: a buffer released after device 0's stream read it must not be written by device 1's stream. In backward
-# autograd runs each device's nodes on a thread of its own, so unpacks of two devices can run at once: unpack holds
-# a lock around the restorer's bookkeeping (uncontended on one device: no cost worth measuring).
+``install()`` wraps the generator ``checkpoint()`` calls (NOTE [What the outer hook sees]); a
+``CheckpointInputOffloader`` supplies the pack/unpack saved-tensor hooks pushed around each call; ``stats()`` is the
+last micro-step's accounting; ``use_offloader()`` runs with another offloader (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -98,16 +18,17 @@ from typing import Callable, Iterator
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from . import engines as _engines
-from . import offload_probes, probes, versions
-from ._registry import REGISTRY
-from .distributed import is_distributed, log_rank0_once
-from .offload_copier import PrefetchedInput, StreamCopier, SyncCopier
-from .offload_restore import Restorer
-from .offload_policy import (  # noqa: F401  (re-exported: the reasons are part of the stats' vocabulary)
+from .. import engines as _engines
+from .. import probes, versions
+from .._registry import REGISTRY
+from ..distributed import is_distributed, log_rank0_once
+from . import probes as offload_probes
+from .copier import PrefetchedInput, StreamCopier, SyncCopier
+from .restore import Restorer
+from .policy import (  # noqa: F401  (re-exported: the reasons are part of the stats' vocabulary)
     DEVICE, EXPANDED, GRAD_LEAF, NON_DENSE, NOT_PLAIN, PARAMETER, PARAMETER_VIEW, PINNED_FAILED, POOL_CAP, SHARED,
     SMALL, check_version, keep_reason, sole_owner, version_witness)
-from .offload_window import OffloadStats, ResourceMeter, StepWindow
+from .window import OffloadStats, ResourceMeter, StepWindow
 from .pinned_pool import DEFAULT_PREPIN_AHEAD, PinnedBufferPool, default_cap_bytes
 
 logger = logging.getLogger("ddp_patches")
@@ -117,13 +38,23 @@ DEFAULT_MIN_BYTES = 1 << 20
 DEFAULT_MAX_IN_FLIGHT = 1
 DEFAULT_PREFETCH_DEPTH = 1
 NO_CUDA = "this host has no CUDA device (activations already live in host memory; nothing is pinned)"
-WHY_OPT_IN = ("offload is opt-in: its CUDA path has run on one H100 so far, not on the range of GPUs and drivers "
-              "users have (README, 'Offload')")
+WHY_OPT_IN = ("offload is opt-in: its CUDA path has run on few GPUs, not yet on the range of GPUs and drivers "
+              "users have (docs/benchmarks.md, 'GPU proof'; docs/options.md, 'offload')")
 
 # Old private names, kept for code that subclassed them.
 _SyncCopier, _StreamCopier = SyncCopier, StreamCopier
 
 
+# NOTE [In-place edits after pack]
+# Invariant: an in-place edit of a checkpoint input after pack raises autograd's own error at unpack, as without
+# offload. autograd skips its version check when saved-tensor hooks are registered
+# (torch/csrc/autograd/saved_variable.cpp: "we can't track versions through the hooks"), so offload would
+# otherwise hand back the old values: a silently wrong gradient.
+# Rule: each handle keeps a *version witness* (``policy.version_witness``: ``t.detach()``, which shares t's version
+# counter, with its storage swapped for an empty one), so it follows every in-place edit of t or of any view of it
+# and holds no device memory; unpack compares it with the version at pack and raises autograd's error, for inputs
+# kept on the device too.
+# Test: tests/test_offload_lifecycle.py::test_inplace_edit_after_pack_raises_autograds_error
 class _Kept:
     """A checkpoint input left on the device, with the version it had when packed."""
 
@@ -175,10 +106,10 @@ class _Offloaded:
 class CheckpointInputOffloader:
     """pack/unpack for the checkpoint inputs, with per-step accounting. One per process.
 
-    Its parts: when the hooks are pushed (``wants_hooks``, ``hooks``), pack (policy in ``offload_policy``, the
-    copy out in ``offload_copier``, buffers from ``pinned_pool``), release at the end of the in-flight window
-    (``_release``), unpack and prefetch (``offload_restore.Restorer``) and the step windows with their accounting
-    (``offload_window``); this class wires them to autograd's saved-tensor hooks.
+    Its parts: when the hooks are pushed (``wants_hooks``, ``hooks``), pack (policy in ``policy``, the
+    copy out in ``copier``, buffers from ``pinned_pool``), release at the end of the in-flight window
+    (``_release``), unpack and prefetch (``restore.Restorer``) and the step windows with their accounting
+    (``window``); this class wires them to autograd's saved-tensor hooks.
 
     Args:
         min_bytes: tensors smaller than this stay on the device.
@@ -190,8 +121,8 @@ class CheckpointInputOffloader:
         should_offload: which devices' tensors to move (default: CUDA tensors). CPU tests pass ``lambda t: True``
             to run the real code path, copying CPU tensors into separate host storage.
         gate: whether the hooks are pushed at all at a checkpoint call (default: ``is_distributed``).
-        engines: the engines (``ddp_patches.engines``) under which it acts (default: DDP and FSDP2; NOTE
-            [Engines]); None: under any, which the single-process CPU test path uses.
+        engines: the engines (``ddp_patches.engines``) under which it acts (default: DDP and FSDP2;
+            NOTE [Engines]); None: under any, which the single-process CPU test path uses.
         explicit: offload=True was asked for; reasons for being inert are then warnings, not debug lines.
         copier: how tensors cross between device and host (default: side streams on CUDA, in-order otherwise);
             tests inject one that models a copy still in flight or a missing stream dependency.
@@ -289,6 +220,19 @@ class CheckpointInputOffloader:
         return self.window.live()
 
     # -- pack: forward ---------------------------------------------------------------------------------------
+    # NOTE [What is never offloaded]
+    # Invariant: a tensor counts as offloaded only when moving it freed device memory: nothing else holds its
+    # storage.
+    # Rule: judged at pack (``policy.keep_reason``): parameters, views of parameters (``F.linear`` saves
+    # ``weight.t()``, which an isinstance(Parameter) check misses) and other leaves that require grad (held by the
+    # module or by AccumulateGrad), expanded tensors (a stride of 0), tensors under ``min_bytes`` and anything not a
+    # plain dense strided tensor stay. Judged again when the device tensor would be dropped (``policy.sole_owner``:
+    # Python, TensorImpl and storage use counts): one that something else still holds (a view or ``detach()`` alias
+    # of live memory, a hidden-states list kept for ``output_hidden_states``) stays, its host copy is given back,
+    # and it counts under ``kept``. The last checkpoint input of a forward is still in the in-flight window when
+    # backward first asks for it: served from the device, with no copy in.
+    # Tests: tests/test_offload.py::test_keep_reason_rules and
+    # tests/test_offload_lifecycle.py::test_a_view_of_a_live_tensor_is_moved_but_never_counted_as_freed
     def pack(self, t: torch.Tensor):
         if _in_backward():
             return t  # a recomputed tensor: never re-packed
@@ -372,7 +316,14 @@ class CheckpointInputOffloader:
                        self.pool.cap_bytes >> 20)
         return POOL_CAP
 
-    # -- unpack: backward (offload_restore) -------------------------------------------------------------------
+    # -- unpack: backward (restore.py) -------------------------------------------------------------------
+    # NOTE [Several devices]
+    # A model split over GPUs in one process (``device_map``) packs inputs from several devices. Each device has its
+    # own copy stream, and the pool keeps free buffers per device, because buffer reuse is ordered by the copy
+    # stream: a buffer released after device 0's stream read it must not be written by device 1's stream. In backward
+    # autograd runs each device's nodes on a thread of its own, so unpacks of two devices can run at once: unpack
+    # holds a lock around the restorer's bookkeeping (uncontended on one device).
+    # Test: tests/test_offload_lifecycle.py::test_copies_and_buffers_are_kept_per_device
     def unpack(self, packed):
         self.window.unpacked = True
         if isinstance(packed, _Kept):
@@ -428,7 +379,7 @@ def _default_pool(max_pinned_bytes: int | None, prepin_ahead: int | None) -> Pin
 def _identity(t: torch.Tensor) -> tuple:
     """What makes two packed tensors the same one (deduplication). The storage's start from data_ptr, not
     t.untyped_storage(): a Python storage object, once made, stays attached to the storage and counts as one
-    more user of it (offload_policy.sole_owner reads that count)."""
+    more user of it (policy.sole_owner reads that count)."""
     base = t.data_ptr() - t.storage_offset() * t.element_size()
     return base, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version
 
@@ -438,12 +389,13 @@ def _typed_view(buf: torch.Tensor, h: _Offloaded) -> torch.Tensor:
 
 
 # NOTE [One offload at a time]
-# ``torch.autograd.graph.save_on_cpu`` pushed around a checkpoint call (transformers'
-# ``activation_checkpointing_enable(offload=True)`` wraps every checkpoint in one; users push their own) sees
-# exactly what this library's offload would: the checkpoint's inputs (NOTE [What the outer hook sees]). Two
-# offloads would copy each tensor twice, so the outer one acts and ours steps aside for that call. The checkpoint
-# swap runs inside the outer context (it is entered before CheckpointFunction.apply), so it keeps it. One WARNING
-# line on rank 0 says which offload acts. Proven by tests/test_offload_outer.py.
+# Invariant: no tensor is offloaded twice. ``torch.autograd.graph.save_on_cpu`` pushed around a checkpoint call
+# (transformers' ``activation_checkpointing_enable(offload=True)`` wraps every checkpoint in one; users push their
+# own) sees exactly what this library's offload would: the checkpoint's inputs (NOTE [What the outer hook sees]).
+# Rule: the outer one acts and ours steps aside for that call, with one WARNING line on rank 0 saying which offload
+# acts. The checkpoint swap runs inside the outer context (it is entered before CheckpointFunction.apply), so a
+# swapped checkpoint keeps it.
+# Test: tests/test_offload_outer.py::test_one_offload_acts_and_gradients_equal_no_offload
 SAVE_ON_CPU_PACK = "save_on_cpu.__init__.<locals>.pack_to_cpu"
 
 
@@ -462,7 +414,7 @@ def say_outer_offload_acts() -> None:
                    "ddp_patches: checkpoints run inside torch.autograd.graph.save_on_cpu (transformers' "
                    "activation_checkpointing_enable(offload=True), or the caller's own): that offload moves their "
                    "inputs to host memory, also where the checkpoint swap made them non-reentrant; this library's "
-                   "offload %s. NOTE [One offload at a time] in ddp_patches/offload.py", ours)
+                   "offload %s. NOTE [One offload at a time] in ddp_patches/offload/offloader.py", ours)
 
 
 def _hook_stack_free() -> bool:
@@ -501,6 +453,19 @@ def use_offloader(offloader: CheckpointInputOffloader) -> Iterator[CheckpointInp
         _active["offloader"] = previous
 
 
+# NOTE [What the outer hook sees]
+# Invariant: hooks pushed around a whole non-reentrant checkpoint call see exactly its inputs once -- a decoder
+# layer's input hidden states, what non-reentrant checkpointing keeps on the device between forward and backward --
+# and nothing recomputed, and what the checkpoint computes is unchanged. Why: the checkpoint saves its positional
+# tensor inputs before it pushes its own ``_checkpoint_hook``; everything the region saves afterwards goes to that
+# inner hook, and saved_tensors_hooks form a stack whose top alone is called.
+# Rule: wrap the generator ``checkpoint()`` looks up as a module global at call time, which reaches every
+# non-reentrant call (transformers' layers, the calls the swap converts, user code); delegate with ``yield from``,
+# so our hooks are pushed before and popped after the checkpoint's own (balanced also when the region raises).
+# Push nothing when another saved-tensor hook is on top (an outer checkpoint, whose frame owns nested inputs; the
+# user's ``save_on_cpu``; a backward's recompute), and let ``pack`` return its input untouched during a backward.
+# Tests: tests/test_offload.py::test_inert_during_backward_and_inside_an_outer_checkpoint and the ``outer-hook``
+# probe (tests/test_probes.py::test_every_assumption_holds_on_this_torch)
 def _make_offloading_generator(original):
     def _checkpoint_without_reentrant_generator(fn, *args, **kwargs):
         offloader = _active["offloader"]
@@ -521,7 +486,8 @@ class _Uninstall:
 
 
 def target() -> str:
-    """The name install() patches: the generator checkpoint() is seen to call (NOTE [Which generator ...])."""
+    """The name install() patches: the generator checkpoint() is seen to call
+    (NOTE [Which generator checkpoint() calls])."""
     return f"torch.utils.checkpoint.{offload_probes.generator_name()}"
 
 
@@ -542,12 +508,13 @@ def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None,
 
 
 # NOTE [Modules that imported the generator by name]
+# Invariant: offload reaches a checkpoint whatever module runs it, also one that bound the generator by name.
 # torch.distributed._composable.checkpoint_activation (the composable ``checkpoint(module)`` FSDP2 users apply per
 # block) does ``from torch.utils.checkpoint import _checkpoint_without_reentrant_generator`` (``..._impl`` on newer
-# torch): it holds the generator under its own global, bound when it was imported. transformers + peft import it
-# already, so with the usual import order (libraries first, apply() after) the composable path kept the original
-# and nothing was offloaded, without a word. So apply() also wraps that module's copy when the module is already
-# imported; one imported later binds the wrapped global of torch.utils.checkpoint by itself.
+# torch) and holds it under its own global; transformers + peft import it before the usual apply().
+# Rule: apply() also wraps that module's copy when the module is already imported; one imported later binds the
+# wrapped global of torch.utils.checkpoint by itself.
+# Test: tests/test_offload_composable.py::test_composable_checkpoint_imported_before_apply_is_offloaded
 BOUND_COPIES = ("torch.distributed._composable.checkpoint_activation",)
 
 

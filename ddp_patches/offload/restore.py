@@ -1,31 +1,8 @@
 """Bringing offloaded checkpoint inputs back for backward, in whatever order autograd unpacks them.
 
-``offload.CheckpointInputOffloader.unpack`` hands every offloaded handle here. The restorer decides where the
-device tensor comes from (still on the device, kept alive by someone else, already restored, prefetched, or a
-copy in started now) and which inputs to start bringing back next. See NOTE [Any unpack order] below and NOTE
-[Copies, streams and lifetimes] in ``offload.py``.
-
-# NOTE [Any unpack order]
-# torch documents the order in which saved tensors are unpacked as unspecified. The common order is the reverse
-# of pack order (a sequential backward), and that is the only thing the prefetch *guesses*: after layer k's input
-# is unpacked, the nearest earlier inputs that are not back yet are the ones asked for next. Nothing else depends
-# on the guess:
-#   * values: every unpack checks the version witness and serves the handle's own tensor, whichever path it
-#     takes; a handle's restored tensor is kept on the handle (a second backward under ``retain_graph``, a shared
-#     input) and dies with it, so nothing outlives autograd's own reference;
-#   * memory: prefetched tensors that wait for their unpack are at most ``prefetch_depth``. A new guess beyond that
-#     drops the oldest unused one that is no longer among the nearest (``PrefetchedInput`` makes the stream it
-#     was allocated on wait for its copy, so the block is reused safely) and counts it in
-#     ``stats.prefetch_dropped``; that input is copied again if it is asked for later. Without the bound a
-#     random order (``autograd.grad`` of one layer at a time, a gradient penalty) piled up guesses, up to one
-#     device copy per layer until the graph died;
-#   * guesses come only from the first unpack of a layer's own input. The first unpack of an input shared by
-#     several checkpoints (a mask packed once, deduplicated) happens at the last layer that uses it and says
-#     nothing about which layer comes next: guessing from it prefetched the very first layer's input at the
-#     start of backward. A second unpack of the same input (a second backward under ``retain_graph``) says
-#     nothing new either: guessing from it replaced a good guess by a farther one.
-# In forward order the guess never finds anything to fetch (every earlier input is back already): each unpack
-# waits for its own copy, which is correct, only not overlapped.
+``offloader.CheckpointInputOffloader.unpack`` hands every offloaded handle to a ``Restorer``, which decides where
+the device tensor comes from (still on the device, kept alive by someone else, already restored, prefetched, or a
+copy in started now) and which inputs to start bringing back next (NOTE [Any unpack order]).
 """
 
 from __future__ import annotations
@@ -35,15 +12,27 @@ import weakref
 
 import torch
 
-from .offload_copier import PrefetchedInput
-from .offload_policy import check_version
+from .copier import PrefetchedInput
+from .policy import check_version
 
 
+# NOTE [Any unpack order]
+# Invariant: torch leaves the unpack order of saved tensors unspecified; values never depend on it, and the device
+# memory held by prefetches is bounded in any order. The prefetch only *guesses* the common order, the reverse of
+# pack order: after layer k's input, the nearest earlier inputs not back yet.
+# Rule: every unpack checks the version witness and serves the handle's own tensor, whichever path it takes; a
+# restored tensor is kept on the handle (a second backward under ``retain_graph``, a shared input) and dies with it.
+# At most ``prefetch_depth`` prefetched tensors wait: a new guess beyond that drops the oldest unused one no longer
+# among the nearest (its stream waits for its copy first; counted in ``stats.prefetch_dropped``). Guesses come only
+# from the first unpack of a layer's own input: an input shared by several checkpoints is first unpacked at the
+# last layer that uses it, and a second unpack of an input (``retain_graph``) says nothing new. In forward order
+# nothing is prefetched: each unpack waits for its own copy, correct but not overlapped.
+# Test: tests/test_offload_lifecycle.py::test_any_unpack_order_gives_exact_gradients_and_bounded_copies
 class Restorer:
     """Serves unpacked handles and keeps at most ``prefetch_depth`` guesses in flight (NOTE [Any unpack order]).
 
     ``copier`` is a callable returning the copier (the offloader creates it lazily); the handles are
-    ``offload._Offloaded`` objects, read through their attributes only.
+    ``offloader._Offloaded`` objects, read through their attributes only.
     """
 
     def __init__(self, copier, prefetch_depth: int) -> None:

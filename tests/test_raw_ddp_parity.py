@@ -1,7 +1,7 @@
 """Raw DDP + activation checkpointing, 2 gloo ranks with different data, parity with a full-batch replica.
 
 Under pytest the scenarios run in the shared 2-rank pool (tests/harness.py). Run directly,
-``torchrun --nproc_per_node=2 tests/test_ddp_autograd_hooks_fix.py`` runs the same scenarios in the
+``torchrun --nproc_per_node=2 tests/test_raw_ddp_parity.py`` runs the same scenarios in the
 launched ranks; with one process the DDP part is skipped and the no-op guarantee is checked instead.
 """
 
@@ -52,6 +52,7 @@ def raw_case(module, use_reentrant, find_unused, static_graph, bucket_view, accu
         return raw_parity(module, use_reentrant=use_reentrant, ddp_kwargs=kwargs, accum=accum).as_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,use_reentrant,find_unused,static_graph,bucket_view,accum", MATRIX)
 def test_raw_ddp_checkpoint_matrix(pool, module, use_reentrant, find_unused, static_graph, bucket_view, accum):
     results = pool.run(
@@ -83,6 +84,7 @@ def test_raw_ddp_checkpoint_matrix(pool, module, use_reentrant, find_unused, sta
     ids=["reentrant-twice", "reentrant-find-unused", "static-graph-accumulation", "unused-on-one-rank",
          "dynamic-static-graph"],
 )
+@pytest.mark.slow
 def test_unpatched_baseline_fails(pool, case, expected):
     from tests.harness import RankError
 

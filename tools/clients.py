@@ -2,7 +2,7 @@
 
 ``build_assets(root)`` writes what those scripts load by path: a tiny random Qwen2 with its tokenizer
 (``root/model``) and JSONL dataset folders (``root/data/{sft,dpo,grpo}``). Nothing is downloaded. The GRPO
-script imports reward functions by dotted path: ``ddp_patches.verify.clients.length_reward``.
+script imports reward functions by dotted path: ``tools.clients.length_reward`` (the repository root on the path).
 """
 
 from __future__ import annotations

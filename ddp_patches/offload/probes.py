@@ -1,15 +1,5 @@
-"""What offload assumes about torch.utils.checkpoint's internals, probed at install (NOTE [Probed assumptions]).
-
-# NOTE [Which generator checkpoint() calls]
-# Offload wraps the generator that a non-reentrant ``checkpoint()`` runs, looked up as a module global of
-# torch.utils.checkpoint at call time (NOTE [What the outer hook sees] in offload.py). Up to torch 2.13 that is
-# ``_checkpoint_without_reentrant_generator(fn, preserve, context_fn, ..., *args, **kwargs)``; torch 2.14 added
-# ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, ...)``, which ``checkpoint()`` calls instead,
-# keeping the old name as a shim nobody in torch calls. A wrapper of the old name was therefore never reached on
-# 2.14: offload moved nothing and its forced CPU path failed validation. Which name is called is not read from a
-# version table but observed: each candidate present in the module is swapped for a spy, one tiny checkpoint
-# runs, and the first candidate the spy saw is the target. The wrapper passes ``fn`` first and everything else
-# through untouched, which fits both signatures.
+"""What offload assumes about torch.utils.checkpoint's internals, probed at install (NOTE [Probed assumptions]):
+``ASSUMPTIONS``, and ``generator_name()``, the generator offload wraps (NOTE [Which generator checkpoint() calls]).
 """
 
 from __future__ import annotations
@@ -17,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .probes import Assumption, AssumptionFailed, expect, has
+from .._registry import REGISTRY
+from ..probes import Assumption, AssumptionFailed, expect, has
 
 # Newest first: the first one checkpoint() is seen to call is the one offload wraps.
 GENERATOR_NAMES = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
@@ -33,13 +24,27 @@ def generator_name() -> str:
 
 
 def forget() -> None:
+    """Probe the generator's name afresh at the next apply() (NOTE [Each module forgets its own state])."""
     _found.clear()
+
+
+REGISTRY.on_reset(forget)
 
 
 def _check_generator_global() -> None:
     _found["name"] = _probe_generator_name()  # probed afresh at each apply(), never from an older answer
 
 
+# NOTE [Which generator checkpoint() calls]
+# Invariant: offload wraps the generator a non-reentrant ``checkpoint()`` really runs, a module global of
+# torch.utils.checkpoint looked up at call time (NOTE [What the outer hook sees]): up to torch 2.13
+# ``_checkpoint_without_reentrant_generator(fn, preserve, context_fn, ..., *args, **kwargs)``; from 2.14
+# ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, ...)``, with the old name kept as a shim
+# nobody in torch calls, so a wrapper of the wrong name is never reached and offload moves nothing.
+# Rule: the name is observed, not read from a version table: each candidate present in the module is swapped for a
+# spy, one tiny checkpoint runs, and the first candidate the spy saw is the target. The wrapper passes ``fn`` first
+# and everything else through untouched, which fits both signatures.
+# Test: tests/test_probes.py::test_offload_follows_the_generator_checkpoint_calls
 def _probe_generator_name() -> str:
     present = [n for n in GENERATOR_NAMES if callable(vars(torch_checkpoint).get(n))]
     for name in present:

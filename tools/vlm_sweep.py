@@ -1,16 +1,11 @@
 """Every image-text-to-text family of the installed transformers, built tiny, fed synthetic pixels, trained.
 
-Nothing is written per family. The config is the family's defaults shrunk (``verify.tiny``); the image input is
-found by trying the layouts vision towers take -- ``[N, C, S, S]`` images, Qwen-style 2-D patches with
-``image_grid_thw``, Idefics-style ``[N, 1, C, S, S]``, any-res ``[N, 2, C, S, S]`` tiles -- through the model's own ``get_image_features``; the
-number of placeholder tokens an image needs is the number of feature rows that call returns; the placeholder
-id is the config's ``image_token_id``/``image_token_index``; ``token_type_ids``/``mm_token_type_ids`` are
-passed when ``forward`` takes them (1 on image tokens). A family for which no layout gives a working forward
-with labels is "not buildable", with the last error as its reason.
-
-Images are made with torch (no torchvision, no image processor, no tokenizer). The Trainer scenario is the one
-of the hand-written VLM tests: LoRA on every linear layer of the text and vision towers (``all-linear``),
-checkpointing on, rank 1 sees text only, accumulation 2.
+The config is the family's defaults shrunk (``ddp_patches.verify.tiny``). The image input is found by trying the
+layouts vision towers take (``[N, C, S, S]`` images, Qwen-style patches with ``image_grid_thw``, Idefics-style
+nested, any-res tiles) through the model's ``get_image_features``, which also gives the placeholder count; no
+image processor or tokenizer. A family no layout trains is "not buildable", with the last error. The Trainer
+scenario: LoRA on all linear layers of both towers, checkpointing on, rank 1 text-only, accumulation 2.
+Run by ``python -m tools.compat``; ``tests/test_sweeps.py`` re-measures it.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import tiny
+from ddp_patches.verify import tiny
 
 TEXT_TOKENS = 8
 MAX_IMAGE_TOKENS = 256
@@ -206,10 +201,11 @@ def run_family(model_type: str) -> dict:
     """The VLM Trainer scenario for one family on the current ranks: LoRA (all-linear: text and vision), reentrant
     checkpoint kwargs, rank 1 text-only, accumulation 2, tiled MLP and (CPU-path) offload on. One row."""
     import ddp_patches
-    from ddp_patches import offload, tiled_mlp
+    from ddp_patches import tiled_mlp
+    from ddp_patches.offload import offloader as offload
 
-    from .cpu_offload import cpu_path_offloader
-    from .trainer_runs import train
+    from ddp_patches.verify.cpu_offload import cpu_path_offloader
+    from ddp_patches.verify.trainer_runs import train
 
     setup = Setup(model_type)
     forced = cpu_path_offloader()

@@ -1,4 +1,4 @@
-"""Step windows and per-step accounting for offload (NOTE [Step windows] in ``offload.py``).
+"""Step windows and per-step accounting for offload: ``StepWindow``, ``OffloadStats`` (NOTE [Step windows]).
 
 A window is one micro-step's packed checkpoint inputs, held through weak references only, so it never keeps a
 saved input alive and stays bounded whatever the user does.
@@ -24,7 +24,7 @@ class OffloadStats:
     kept_last: int = 0  # still on the device when backward first asked for it (no copy in needed)
     kept: dict = dataclasses.field(default_factory=Counter)
     prefetched: int = 0  # unpacks served by a copy in started ahead of them
-    prefetch_dropped: int = 0  # prefetches dropped unused (NOTE [Any unpack order] in offload_restore.py)
+    prefetch_dropped: int = 0  # prefetches dropped unused (NOTE [Any unpack order] in restore.py)
     waited: int = 0  # unpacks that had to start their own host-to-device copy
     restored_again: int = 0  # unpacks served by a tensor already brought back (shared inputs)
     copies_in: int = 0  # host-to-device copies issued
@@ -40,6 +40,18 @@ class OffloadStats:
         return d
 
 
+# NOTE [Step windows]
+# Invariant: the offload bookkeeping never depends on knowing when backward begins, and stays bounded whatever the
+# user does. Nothing marks "backward has begun" reliably: an unpack can happen inside a forward
+# (``torch.autograd.grad`` for a gradient penalty), two forwards can precede one backward, a backward can raise
+# midway, a forward can be thrown away.
+# Rule: no backward flag. A handle lives exactly as long as autograd keeps the saved input; an input still in the
+# in-flight window is released when the next region begins, if it is still alive; a new accounting window (one
+# micro-step in ``stats``) starts at the first pack after a backward has reached the window's inputs and every one
+# of its handles has been freed (a checkpoint output dropped inside a forward frees handles too early to mark a
+# step). The bookkeeping holds weak references only and is pruned at each pack.
+# Tests: tests/test_offload_lifecycle.py::test_gradient_penalty_inside_forward_does_not_split_the_step and
+# tests/test_offload_lifecycle.py::test_forwards_never_followed_by_a_backward_keep_bookkeeping_bounded
 class StepWindow:
     """The handles of one micro-step, in pack order, plus the device-to-host copies still in flight."""
 

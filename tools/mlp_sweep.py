@@ -1,14 +1,11 @@
 """Every gate/up/down MLP class of the installed transformers, tiled against untiled, one row per class.
 
-The classes are enumerated from the modeling sources (a class whose ``__init__`` assigns ``self.gate_proj``,
-``self.up_proj`` and ``self.down_proj``, or inherits such an ``__init__`` in the same file), independently of the
-library's own discovery, so the sweep also checks that discovery finds them. Each class is looked for in the
-tiny models (``verify.tiny``) of the families whose modeling package defines it; the first instance found is
-run tiled (5-token shards) and untiled on the same input, in fp64, with every parameter trainable.
-
-Status per class: ``tiled`` (parity held), ``untiled`` (the library declined it; the reason is its probe's),
-``failing`` (tiled and wrong, or raised), ``not built`` (no tiny model of the family could be built offline,
-or none instantiated the class; the reason says which).
+Classes are enumerated from the modeling sources (``__init__`` assigns gate_proj, up_proj and down_proj, or is
+inherited in the same file), apart from the library's discovery, so the sweep also checks discovery. The first
+instance in a tiny model (``ddp_patches.verify.tiny``) runs tiled (5-token shards) and untiled in fp64, every
+parameter trainable. Status: ``tiled`` (parity held), ``untiled`` (declined; the probe's reason), ``failing``
+(wrong or raised), ``not built`` (no tiny model built offline or none holds the class; the reason says which).
+Run by ``python -m tools.compat``; ``tests/test_sweeps.py`` re-measures it.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from . import tiny
-from .parity import relative_error
+from ddp_patches.verify import tiny
+from ddp_patches.verify.parity import relative_error
 
 SHARD = 5
 TOL = 1e-9

@@ -1,6 +1,7 @@
-"""How offloaded checkpoint inputs cross between device and host (NOTE [Copies, streams and lifetimes] in
-``offload.py``). A copier only moves bytes and orders streams; it keeps no bookkeeping of its own, so a test can
-replace any one of its methods (the CUDA mutation tests do) and see what breaks.
+"""How offloaded checkpoint inputs cross between device and host: ``SyncCopier`` (in order), ``StreamCopier``
+(CUDA side streams) and ``PrefetchedInput`` (NOTE [Copies, streams and lifetimes]). A copier only moves bytes and
+orders streams; it keeps no bookkeeping of its own, so a test can replace any one of its methods (the CUDA mutation
+tests do) and see what breaks.
 """
 
 from __future__ import annotations
@@ -33,6 +34,21 @@ class SyncCopier:
         return 0.0
 
 
+# NOTE [Copies, streams and lifetimes]
+# Invariant: no device block is reused while a copy still reads or writes it, and an offloaded input's block goes
+# back to the compute stream once its copy out is done, without waiting for the CPU to notice.
+# Rule (CUDA): pack starts the device-to-host copy into a pooled pinned buffer on one side stream per device, which
+# first waits for the compute stream. A handle keeps its device tensor while the copy may be in flight (the last
+# ``max_in_flight`` regions); when a new region begins, the compute stream waits *on the GPU* for the older copies'
+# events and the handles drop their device tensors, so the caching allocator hands the blocks straight back and
+# stream order makes the reuse safe (``record_stream`` would hold a block until the *CPU* saw the event, too late
+# when the CPU runs ahead); the wait also bounds a forward that outruns the bus. A copy in fills a tensor allocated
+# on the compute stream, after the kernels enqueued so far; the compute stream waits on its event before use, and
+# an unused prefetch makes it wait before the block is reused (``PrefetchedInput``). A restored tensor lives on its
+# handle until autograd frees it: a shared input crosses the bus once each way per step. Without CUDA,
+# ``SyncCopier`` copies in order into ordinary host memory; ``non_blocking`` never meets pageable memory.
+# Tests: tests/test_offload_cuda.py::test_race_stress_fails_when_a_stream_dependency_is_removed and
+# tests/test_offload_cuda.py::test_device_memory_released_while_the_cpu_runs_ahead
 class StreamCopier(SyncCopier):
     """Asynchronous copies on one side stream per CUDA device; tensors on other devices (the CPU-path tests, run
     on a GPU host) are copied in order, as by ``SyncCopier``.
@@ -72,8 +88,7 @@ class StreamCopier(SyncCopier):
         # The stream that was current when the tensor was packed (the one its block goes back to) waits, on the
         # GPU, for the copy; then the caller drops ``source``: the caching allocator hands the block to the next
         # allocation at once, and stream order makes that safe. record_stream would instead hold the block
-        # until the *CPU* saw the copy finish, which a CPU running far ahead of the GPU does not see in time
-        # (measured on an H100: docs/gpu-runs/README.md).
+        # until the *CPU* saw the copy finish, which a CPU running far ahead of the GPU does not see in time.
         if token is not None:
             event, stream = token
             stream.wait_event(event)

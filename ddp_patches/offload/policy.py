@@ -1,7 +1,7 @@
 """Offload policy: which checkpoint inputs may move, whether dropping one frees memory, and in-place edit checks.
 
-Pure functions of a tensor; no streams, no bookkeeping (``offload.py`` orchestrates). See NOTE [What is never
-offloaded] and NOTE [In-place edits after pack] in ``offload.py``.
+Pure functions of a tensor; no streams, no bookkeeping (``offloader.py`` orchestrates and holds the rules:
+NOTE [What is never offloaded] and NOTE [In-place edits after pack]).
 """
 
 from __future__ import annotations
@@ -88,8 +88,7 @@ def sole_owner(holder, attr: str = "source") -> bool:
     the storage use count (a view or ``detach()`` alias of the same memory). A view whose base nothing else
     holds (an autograd Function that returns its input, as FSDP2's pre-forward hook does, makes one) frees the
     base with it: the base's own counts are compared with those of a probe base held only by its view. On a
-    torch without these counters the answer is True: the old behaviour, and what every implementation that
-    does not check assumes.
+    torch without these counters the answer is True, which is what an implementation that does not check assumes.
     """
     if not _SOLE_SLOT_REFS:
         _SOLE_SLOT_REFS.append(_python_refs_of_a_slot())
@@ -133,5 +132,6 @@ def check_version(witness: torch.Tensor, saved: int, shape, dtype) -> None:
             "one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{dtype} {list(shape)}], a checkpoint input, is at version {witness._version}; expected version "
             f"{saved} instead. (Raised by ddp_patches offload: NOTE [In-place edits after pack] in "
-            "ddp_patches/offload.py.) Hint: avoid modifying a checkpoint's input in place after the checkpoint ran."
+            "ddp_patches/offload/offloader.py.) Hint: avoid modifying a checkpoint's input in place after the "
+            "checkpoint ran."
         )

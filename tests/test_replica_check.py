@@ -1,12 +1,12 @@
-"""The replica check (ddp_patches/guard.py) under DDP communication hooks, on 2 gloo ranks fed different data.
+"""The replica check (ddp_patches/replica_check.py) under DDP communication hooks, on 2 gloo ranks fed different data.
 
 Post-local SGD (``post_localSGD_hook`` over per-rank subgroups + ``PostLocalSGDOptimizer`` with a
 ``PeriodicModelAverager`` or ``HierarchicalModelAverager``) keeps the replicas apart between averaging steps by
 design: with the library it must train exactly as without it, with no "drifted apart" ERROR (and no
 ``ReplicaDivergenceError`` with on_unsynced="raise"), and the check says once, on rank 0, that it stepped aside. The
 hooks that keep replicas equal (DDP's all-reduce, fp16 compress and its wrapper, PowerSGD) keep the check on: it
-compares bit for bit at every step there, stays silent, and still catches a real drift (NOTE [Replica check only
-where DDP promises equal replicas])."""
+compares bit for bit at every step there, stays silent, and still catches a real drift
+(NOTE [Replica check only where DDP promises equal replicas])."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ddp_patches
-from ddp_patches import guard
+from ddp_patches import guard, replica_check
 from tests.test_guard import DIVERGED, _batch, _Capture, _in_sync, _mlp
 
 ASIDE = "the replica check steps aside"
@@ -71,7 +71,7 @@ def local_sgd(library: str | None, scheme: str = "periodic", steps: int = STEPS)
                 opt.step()
                 opt.zero_grad()
                 snapshots.append(_flat(ddp.module))
-        except guard.ReplicaDivergenceError as exc:
+        except replica_check.ReplicaDivergenceError as exc:
             error = str(exc)
     return {"snapshots": snapshots, "all": cap.records, "error": error, "diverged": cap.lines(DIVERGED),
             "aside": cap.lines(ASIDE)}

@@ -1,48 +1,7 @@
 """Host buffers for offloaded activations: size classes reused across steps, a real bound, one free list per device.
 
-# NOTE [Why a pool, and why a cap]
-# Pinned memory is page-locked: 8 ranks on one node each pinning "whatever they need" can starve the host. torch's
-# caching host allocator rounds every request up to a power of two, keeps freed blocks for itself and never gives
-# them back to the OS. So a buffer handed back to torch is not memory given back, and a request of n bytes costs
-# next_power_of_two(n). The pool therefore:
-#   * hands out buffers in power-of-two size classes -- exactly what the allocator reserves, so ``owned_bytes`` is
-#     the real pinned footprint -- and reuses any free buffer of the class asked for or, failing that, of the
-#     smallest larger class, so per-batch padding (a new length every step) reuses buffers instead of pinning new
-#     ones;
-#   * never drops a buffer to "make room" (torch would keep it anyway) and refuses a request once the cap is
-#     reached: the caller then leaves that tensor on the device, which costs nothing compared with not
-#     offloading at all;
-#   * catches a failed pinned allocation (the OS or driver said no) the same way: refused, never an exception
-#     inside forward;
-#   * derives its default cap from the memory this process may really use (the container's cgroup limit when
-#     there is one, else physical RAM), split between the ranks of the node.
-#
-# Reuse is safe without events because every copy into or out of a buffer is issued on its device's one copy
-# stream: a device-to-host copy into a buffer is ordered after the host-to-device copy that last read it. Buffers
-# are therefore kept per device (NOTE [Several devices] in offload.py): a buffer last read by device 0's stream is
-# never handed to device 1's.
-#
-# NOTE [Pinning ahead]
-# Pinning (cudaHostAlloc: page-locking) costs about as much as copying the bytes, and the pool pins lazily: step
-# 1's forward paid for every buffer inside its packs (``stats.pin_ms``), later steps reuse them. The size is
-# known only at the first pack of a class, and the number of checkpointed regions not at all, so a pack that had
-# to take a *new* buffer -- pinned inside it (a miss), or pinned ahead and never used before -- asks a background
-# thread to keep ``prepin_ahead`` free buffers of that class and device: while a layer computes, the thread pins
-# what the next packs take. Only growth asks: once a step's buffers exist, every pack reuses one and nothing more
-# is pinned; when the forward stops growing, at most ``prepin_ahead`` buffers per class stay unused (and are
-# the first taken when it grows again). The rules:
-#   * the cap holds: a buffer pinned ahead counts in ``owned_bytes`` from the moment it is decided, under the
-#     lock, before it is allocated; near the cap the thread takes the class the forward is asking for anyway;
-#   * the forward never waits for the thread: the thread holds the lock for bookkeeping only, never across its
-#     allocations, and a pack that finds no free buffer pins its own under the lock, as the lazy pool did. A
-#     failure in the thread stops pinning ahead (``prepin_failed``) and is not reported as the pack's failure;
-#   * never on a CPU-only host: the offloader's default pool pins ahead only where it pins (CUDA);
-#   * nothing to revert: the thread lives while there is something to pin, then ends; it is a daemon.
-# ``reserve(nbytes, count)`` pins ahead synchronously for callers that know their shapes (tests, a warm-up).
-# torchtune's activation offloading (``training/_activation_offloading.py``) pins per tensor at pack
-# (``empty_like(pin_memory=True)``) and relies on torch's caching host allocator from step 2 on: its step 1 pays
-# too. Whether the driver lets cudaHostAlloc on another thread overlap the forward's launches is what
-# benchmarks/offload.py measures (first step, pinned ahead vs lazy); it has not run on a GPU yet.
+``PinnedBufferPool`` (NOTE [Why a pool, and why a cap]) pins ahead of the forward on a background thread
+(NOTE [Pinning ahead]); ``default_cap_bytes()`` is its per-rank default cap.
 """
 
 from __future__ import annotations
@@ -95,6 +54,19 @@ def default_cap_bytes(cgroup_files: tuple[str, ...] = _CGROUP_FILES) -> int:
     return int(usable * _DEFAULT_HOST_SHARE) // local_ranks
 
 
+# NOTE [Why a pool, and why a cap]
+# Invariant: pinned (page-locked) host memory stays under a per-rank cap, counted as the real footprint: 8 ranks
+# each pinning "whatever they need" can starve the host, and torch's caching host allocator rounds every request up
+# to a power of two and never gives freed blocks back to the OS.
+# Rule: hand out buffers in power-of-two size classes (what the allocator reserves, so ``owned_bytes`` is the real
+# footprint), reusing a free buffer of the class or else of the smallest larger one (a new padded length every step
+# reuses instead of pinning); never drop a buffer to "make room"; refuse a request beyond the cap, and a failed
+# pinned allocation, the same way (the caller keeps that tensor on the device; never an exception inside forward).
+# The default cap is a share of the memory this process may use (cgroup limit, else RAM) split between the node's
+# ranks. Reuse needs no events: every copy into or out of a buffer is issued on its device's one copy stream, so
+# free lists are per device (NOTE [Several devices]).
+# Tests: tests/test_pinned_pool.py::test_refuses_beyond_the_cap_and_never_exceeds_it and
+# tests/test_pinned_pool.py::test_varying_lengths_reuse_instead_of_allocating
 class PinnedBufferPool:
     """Byte buffers (uint8, 1-D, a power of two long) per device, reused across steps, under a hard cap.
 
@@ -183,7 +155,7 @@ class PinnedBufferPool:
         self._free[_key(device)][buf.numel()].append(buf)
 
     # NOTE [Releases from a garbage collection]
-    # release() is a handle's finalizer (weakref.finalize in offload.py). A handle whose graph died in a reference
+    # release() is a handle's finalizer (weakref.finalize in offloader.py). A handle whose graph died in a reference
     # cycle (a forward thrown away while an exception's traceback, or any object in a cycle, held its output) is
     # freed by the cyclic garbage collector, and a collection can start at any allocation of a Python object: also
     # inside the pool's own bookkeeping, on the thread that holds the lock (a new tensor in ``_allocate``, a list in
@@ -191,11 +163,24 @@ class PinnedBufferPool:
     # lock its own thread held: the rank hung in the forward (or the pinning-ahead thread did, and every later pack
     # with it). The lock is therefore reentrant, and a release that finds its own thread already inside the
     # bookkeeping (``_depth`` > 1) is deferred: applied when the outermost section ends, so no free list changes
-    # under an iteration and no count is read half-updated. Other threads still wait for the lock as before.
+    # under an iteration and no count is read half-updated. Other threads still wait for the lock.
+    # Test: tests/test_offload_lifecycle.py::test_graph_freed_by_a_gc_inside_the_pools_bookkeeping_does_not_hang
     def _guard(self) -> "_Guard":
         return _Guard(self)
 
-    # -- pinning ahead (NOTE [Pinning ahead]) -------------------------------------------------------------------
+    # -- pinning ahead ------------------------------------------------------------------------------------------
+    # NOTE [Pinning ahead]
+    # Invariant: the forward does not pay for pinning (cudaHostAlloc) where the pool can pin off its path, and
+    # pinning ahead neither breaks the cap nor makes a pack wait.
+    # Rule: a pack that had to take a *new* buffer (pinned inside it, or pinned ahead and never used) asks a daemon
+    # thread to keep ``prepin_ahead`` free buffers of that class and device, pinned while the layer computes. Only
+    # growth asks; when the forward stops growing, at most ``prepin_ahead`` buffers per class stay unused. A buffer
+    # pinned ahead counts in ``owned_bytes`` under the lock before it is allocated; the thread holds the lock for
+    # bookkeeping only, never across an allocation, and a pack that finds no free buffer pins its own. A failure in
+    # the thread stops pinning ahead (``prepin_failed``), never the pack. CUDA hosts only (the offloader's default
+    # pool); the thread ends when nothing is left to pin. ``reserve(nbytes, count)`` pins synchronously.
+    # Tests: tests/test_pinned_pool.py::test_pinning_ahead_respects_the_cap_and_stops_on_a_failure and
+    # tests/test_offload_lifecycle.py::test_step_one_packs_find_buffers_pinned_ahead_and_the_cap_holds
     def reserve(self, nbytes: int, count: int, device: object = None) -> int:
         """Pin up to ``count`` free buffers for requests of ``nbytes`` now, within the cap; returns how many."""
         done = 0

@@ -1,0 +1,22 @@
+"""Checkpoint inputs offloaded to pinned host memory between forward and backward (``apply(offload=True)``).
+
+``offloader`` wires autograd's saved-tensor hooks around every non-reentrant checkpoint; ``policy`` decides what
+is kept on the device, ``copier`` moves the bytes, ``restore`` brings them back in any order, ``window`` accounts
+per optimizer step, ``pinned_pool`` owns the host buffers and ``probes`` names the torch internals relied on.
+"""
+
+from __future__ import annotations
+
+from .offloader import (  # noqa: F401  (the public vocabulary of offload)
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MIN_BYTES,
+    DEFAULT_PREFETCH_DEPTH,
+    WHY_OPT_IN,
+    CheckpointInputOffloader,
+    current,
+    install,
+    stats,
+    target,
+    use_offloader,
+)
+from .window import OffloadStats  # noqa: F401

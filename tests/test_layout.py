@@ -1,0 +1,254 @@
+"""The house rules, checked on the source: an import graph without cycles, NOTEs that can be found and stay short,
+no internal issue numbers or files outside the repository, one source for the tested range, a README that links
+only to what exists."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import tomllib
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "ddp_patches")
+SKIP_DIRS = {".git", ".venv", ".ci-venv", ".lanes", "__pycache__", "build", "dist", "upstream"}
+NOTE_DEF = re.compile(r"^\s*# NOTE \[([^\]]+)\]\s*$")
+NOTE_REF = re.compile(r"NOTE \[([^\]\n]*)(\]?)")
+
+pytestmark = pytest.mark.docs
+
+
+def _files(*suffixes: str) -> list[str]:
+    found = []
+    for top, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        found += [os.path.join(top, n) for n in names if n.endswith(suffixes)]
+    return sorted(found)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _rel(path: str) -> str:
+    return os.path.relpath(path, ROOT)
+
+
+# -- the import graph ----------------------------------------------------------------------------------------------
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel.removesuffix(".__init__")
+
+
+def _modules() -> dict[str, str]:
+    return {_module_name(p): p for p in _files(".py") if p.startswith(PACKAGE + os.sep)}
+
+
+def _exports() -> dict[str, str]:
+    """The lazy ``ddp_patches.__init__`` map: public name -> submodule it loads on first use."""
+    tree = ast.parse(_read(os.path.join(PACKAGE, "__init__.py")))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "_EXPORTS":
+            return {k.value: f"ddp_patches.{v.elts[0].value}" for k, v in zip(node.value.keys, node.value.values)}
+    raise AssertionError("ddp_patches/__init__.py has no _EXPORTS map")
+
+
+def _imports(name: str, path: str, modules: dict[str, str], exports: dict[str, str]) -> set[str]:
+    """Every ddp_patches module ``name`` imports, at module level or inside a function (TYPE_CHECKING aside)."""
+    tree = ast.parse(_read(path))
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for child in node.body for n in ast.walk(child)}
+    found: set[str] = set()
+
+    def add(target: str) -> None:
+        if target in modules:
+            found.add(target)
+
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:  # a submodule, a name the lazy __init__ loads, or a name defined in base
+                if f"{base}.{alias.name}" in modules:
+                    add(f"{base}.{alias.name}")
+                elif base == "ddp_patches" and alias.name in exports:
+                    add(exports[alias.name])
+                else:
+                    add(base)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module"):
+            pass  # the lazy __init__: its edges come from _EXPORTS below
+    if name == "ddp_patches":
+        found |= set(exports.values())
+    found.discard(name)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    """No module reaches itself through imports, including those made inside functions and those made through
+    the lazy ``ddp_patches.__init__`` (``import ddp_patches; ddp_patches.apply()`` loads ``ddp_patches.api``)."""
+    modules, exports = _modules(), _exports()
+    graph = {name: _imports(name, path, modules, exports) for name, path in modules.items()}
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_graph_sees_imports_inside_functions():
+    """The check itself: an import inside a function and one through the lazy __init__ are edges."""
+    modules, exports = _modules(), _exports()
+    autoapply = _imports("ddp_patches.autoapply", modules["ddp_patches.autoapply"], modules, exports)
+    assert {"ddp_patches", "ddp_patches._registry"} <= autoapply  # both imported inside functions
+    assert "ddp_patches.api" in _imports("ddp_patches", modules["ddp_patches"], modules, exports)
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# -- NOTEs -------------------------------------------------------------------------------------------------------
+def _module_docstring_lines(source: str) -> int:
+    tree = ast.parse(source)
+    doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+    if doc is None or not isinstance(getattr(doc, "value", None), ast.Constant) or not isinstance(doc.value.value, str):
+        return 0
+    return doc.end_lineno
+
+
+def _notes() -> tuple[dict[str, list[tuple[str, int, int]]], list[tuple[str, str, int]]]:
+    """NOTE definitions (name -> [(file, line, length)]) and references (name, file, line) in the repository."""
+    definitions: dict[str, list[tuple[str, int, int]]] = {}
+    references: list[tuple[str, str, int]] = []
+    for path in _files(".py", ".md"):
+        if os.path.abspath(path) == os.path.abspath(__file__):
+            continue  # its own messages quote the pattern
+        lines = _read(path).splitlines()
+        for i, line in enumerate(lines):
+            match = NOTE_DEF.match(line)
+            if match:
+                length = 1
+                while i + length < len(lines) and lines[i + length].lstrip().startswith("#") \
+                        and not NOTE_DEF.match(lines[i + length]):
+                    length += 1
+                definitions.setdefault(match.group(1), []).append((_rel(path), i + 1, length))
+                continue
+            for name, closed in NOTE_REF.findall(line):
+                references.append((name if closed else name + " <unclosed>", _rel(path), i + 1))
+    return definitions, references
+
+
+def test_every_note_reference_finds_exactly_one_definition():
+    definitions, references = _notes()
+    twice = {name: places for name, places in definitions.items() if len(places) > 1}
+    assert not twice, f"NOTEs defined more than once: {twice}"
+    dangling = [f"{path}:{line}: NOTE [{name}]" for name, path, line in references if name not in definitions]
+    assert not dangling, ("references to no NOTE (write the full name on one line):\n  " + "\n  ".join(dangling))
+
+
+def test_notes_are_short_and_outside_module_docstrings():
+    """A NOTE states a rule and names its test (about 15 lines); measurements and history go to the design
+    document. It sits beside the code it governs, not in a module docstring."""
+    definitions, _ = _notes()
+    long = [f"{p}:{line} NOTE [{name}] is {n} lines" for name, places in definitions.items()
+            for p, line, n in places if n > 20]
+    assert not long, "NOTEs over 20 lines:\n  " + "\n  ".join(long)
+    inside = []
+    for name, places in definitions.items():
+        for path, line, _ in places:
+            if path.endswith(".py") and line <= _module_docstring_lines(_read(os.path.join(ROOT, path))):
+                inside.append(f"{path}:{line} NOTE [{name}]")
+    assert not inside, "NOTEs inside module docstrings:\n  " + "\n  ".join(inside)
+
+
+# -- what the repository cites -------------------------------------------------------------------------------------
+INTERNAL = re.compile(r"\b(?:[Ii]ssues? #?\d+\b|[Ii]tems? \d+(?:, \d+)* of issue|round \d+ of|\.\./shared/|shared/"
+                      r"(?:FACTS|USER_REPORTS)|FACTS\.md|USER_REPORTS\.md)")
+
+
+def test_no_internal_issue_numbers_or_files_outside_the_repo():
+    """Public upstream references (``pytorch/pytorch#123``) are fine; the project's own tracker and the
+    maintainers' notes are not in the repository, so a reader cannot follow them."""
+    this = os.path.abspath(__file__)
+    found = [f"{_rel(p)}:{i}: {line.strip()[:100]}" for p in _files(".py", ".md", ".toml", ".txt", "run")
+             if os.path.abspath(p) != this for i, line in enumerate(_read(p).splitlines(), 1) if INTERNAL.search(line)]
+    assert not found, "\n  ".join(["internal references:"] + found)
+
+
+# -- one source for the tested range -------------------------------------------------------------------------------
+def _bound(spec: str, op: str) -> tuple[int, int] | None:
+    match = re.search(re.escape(op) + r"(\d+)\.(\d+)", spec)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def test_one_source_for_the_tested_range():
+    """versions.TESTED_RANGE is the tested range; pyproject's lower bounds are its minimums and torch's upper bound
+    is the next minor after the newest tested; the probes and the version errors read it from there."""
+    from ddp_patches import probes, versions
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    specs = {re.match(r"[\w-]+", s).group(0): s for s in project["dependencies"] + project["optional-dependencies"]["hf"]}
+    for name, (low, high) in versions.TESTED_RANGE.items():
+        assert _bound(specs[name], ">=") == low, f"pyproject's {specs[name]!r} vs the tested range {low}..{high}"
+    assert _bound(specs["torch"], "<") == (2, versions.TESTED_RANGE["torch"][1][1] + 1), specs["torch"]
+    assert probes.TESTED_TORCH is versions.TESTED["torch"]
+
+
+# -- the README ------------------------------------------------------------------------------------------------------
+def test_readme_is_a_page_a_newcomer_reads():
+    lines = _read(os.path.join(ROOT, "README.md")).splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; the reference belongs in docs/"
+    quick = [i for i, line in enumerate(lines, 1) if line.startswith("#") and "quick start" in line.lower()]
+    assert quick and quick[0] <= 60, f"the quick start starts at line {quick[:1]}, not within the first 60"
+
+
+def test_every_relative_link_resolves():
+    """README.md, the design document and docs/: every file a link names exists, every #anchor is a heading."""
+    from tools import check_links
+
+    broken = check_links.broken()
+    assert not broken, "broken links:\n  " + "\n  ".join(broken)
+
+
+
+def test_module_docstrings_say_what_the_module_does_in_a_few_lines():
+    """A module docstring names what the module does and its entry points; the rules live in NOTEs beside the code
+    and the reasoning in the design document."""
+    long = []
+    for path in _files(".py"):
+        if path.startswith(PACKAGE + os.sep):
+            tree = ast.parse(_read(path))
+            first = tree.body[0] if tree.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                    isinstance(first.value.value, str) and first.end_lineno - first.lineno + 1 > 12:
+                long.append(f"{_rel(path)}: {first.end_lineno - first.lineno + 1} lines")
+    assert not long, "module docstrings over 12 lines:\n  " + "\n  ".join(long)
