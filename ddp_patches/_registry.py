@@ -113,6 +113,10 @@ class PatchRegistry:
         """Undo everything, newest first; return the names restored. ``keep_instances``: leave the hooks that
         protect live DDP instances in place (a re-apply that keeps the reducer patches)."""
         restored = []
+        for _, targets in self._deferred:  # stand-ins for an apply() that never ran: not patches of it
+            for owner, name in targets:
+                self.restore(owner, name)
+        self._deferred.clear()
         handles = self._handles if keep_instances else self._instance_handles + self._handles
         for handle in reversed(handles):
             handle.remove()
@@ -131,7 +135,6 @@ class PatchRegistry:
             setattr(patch.owner, patch.name, patch.original)
             restored.append(f"{_qualname(patch.owner)}.{patch.name}")
         self._patches.clear()
-        self._deferred.clear()
         for forget in self._resets.values():
             forget()
         return restored

@@ -189,7 +189,12 @@ def apply_after_torch_import() -> None:
 
 def _stand_in(owner, name: str):
     def make(original):
+        settled = []
+
         def first_use(*args, **kwargs):
+            if settled:  # reached again through a wrapper someone put around this stand-in: the original is next
+                return original(*args, **kwargs)
+            settled.append(True)
             from ._registry import REGISTRY
 
             REGISTRY.settle()

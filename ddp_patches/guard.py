@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import engines, replica_check
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
-from .replica_check import DEFAULT_REPLICA_CHECK_EVERY
+from .replica_check import DEFAULT_REPLICA_CHECK_EVERY, ReplicaDivergenceError  # noqa: F401  (its old home)
 
 logger = logging.getLogger("ddp_patches")
 

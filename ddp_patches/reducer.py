@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import checkpointing, engines, guard, probes, reach, teardown, tiled_mlp, trainable_set
+from .trainable_set import TrainableParametersChangedError  # noqa: F401  (its old home)
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 

@@ -303,7 +303,7 @@ def test_a_deferred_apply_settles_first_and_revert_drops_it(monkeypatch):
     autoapply.apply_after_torch_import()
     stand_in = vars(dist)["init_process_group"]
     assert stand_in.__ddp_patches__ is True and stand_in.__wrapped__ is original
-    ddp_patches.revert()
+    assert ddp_patches.revert() == []  # the stand-ins go, and are not reported as patches of an apply()
     assert vars(dist)["init_process_group"] is original and vars(DDP)["__init__"].__module__ == "torch.nn.parallel.distributed"
     ddp_patches.apply()
     assert calls == []  # the deferral went with revert()
@@ -312,3 +312,28 @@ def test_a_deferred_apply_settles_first_and_revert_drops_it(monkeypatch):
     ddp_patches.apply()
     assert calls == ["deferred"] and vars(dist)["init_process_group"] is original
     assert ddp_patches.is_applied()
+
+
+def test_a_wrapper_around_a_stand_in_reaches_the_original(monkeypatch):
+    """A library that wraps DDP.__init__ while the runner's apply() waits: the first call settles, and the stand-in,
+    reached again through that wrapper, hands the call to the original instead of recursing."""
+    from ddp_patches import autoapply
+
+    original = vars(DDP)["__init__"]
+    calls = []
+    monkeypatch.setattr(autoapply, "_import_in_progress", lambda: True)
+    monkeypatch.setattr(autoapply, "apply_from_env", lambda: calls.append("deferred"))
+    autoapply.apply_after_torch_import()
+    stand_in = vars(DDP)["__init__"]
+
+    def wrapper(self, *args, **kwargs):
+        return stand_in(self, *args, **kwargs)
+
+    DDP.__init__ = wrapper
+    try:
+        with pytest.raises((ValueError, RuntimeError), match="process group"):  # no group here: DDP's own error
+            DDP(torch.nn.Linear(2, 2))
+        assert calls == ["deferred"]
+    finally:
+        DDP.__init__ = original
+

@@ -20,3 +20,13 @@ from .offloader import (  # noqa: F401  (the public vocabulary of offload)
     use_offloader,
 )
 from .window import OffloadStats  # noqa: F401
+
+
+def __getattr__(name: str):
+    """The rest of what ``ddp_patches.offload`` held when it was one module (keep reasons, copiers, the pool)."""
+    from . import offloader
+
+    try:
+        return getattr(offloader, name)
+    except AttributeError:
+        raise AttributeError(f"module 'ddp_patches.offload' has no attribute {name!r}") from None

@@ -32,6 +32,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ranks_pythonpath() -> str:
+    """The user's PYTHONPATH, behind the checkout this harness runs from (an installed copy is found anyway)."""
+    import site
+
+    installed = {os.path.realpath(p) for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    first = () if os.path.realpath(PACKAGE_PARENT) in installed else (PACKAGE_PARENT,)
+    return os.pathsep.join(p for p in (*first, os.environ.get("PYTHONPATH")) if p)
+
+
 def _first_error_line(text: str) -> str:
     # Only error lines count: the library's own WARNING lines quote these messages (the checkpoint swap says why
     # it acts: "'marked as ready twice'"), and a GPU run once reported a device error as one of them.
@@ -56,7 +65,7 @@ def run_one(name: str, patched: bool, nproc: int, timeout: float, backend: str =
                "--worker", name, "--out", out, "--backend", backend] + (["--patched"] if patched else [])
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1", "DDP_PATCHES_DEVICE": device or ("cuda" if backend == "nccl" else "cpu"),
-               "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)}
+               "PYTHONPATH": _ranks_pythonpath()}
         for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
             env.pop(var, None)  # the child group is its own torchrun job
