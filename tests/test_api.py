@@ -290,6 +290,18 @@ def test_revert_forgets_every_modules_state():
     assert engines._last["engine"] is None
 
 
+def _defer_the_runners_apply(monkeypatch) -> list[str]:
+    """What ddp-patches-run does when torch is imported inside another import: stand-ins wait for the first use.
+    The deferred apply() only records that it ran; returns that record."""
+    from ddp_patches import autoapply
+
+    calls: list[str] = []
+    monkeypatch.setattr(autoapply, "_import_in_progress", lambda: True)
+    monkeypatch.setattr(autoapply, "apply_from_env", lambda: calls.append("deferred"))
+    autoapply.apply_after_torch_import()
+    return calls
+
+
 def test_a_deferred_apply_settles_first_and_revert_drops_it(monkeypatch):
     """NOTE [A deferred apply() settles first]: the runner's stand-ins are registry patches (marked, unwrappable);
     the script's own apply() runs the deferred one first and puts the originals back; revert() drops a deferral."""
@@ -298,10 +310,7 @@ def test_a_deferred_apply_settles_first_and_revert_drops_it(monkeypatch):
     from ddp_patches import autoapply
 
     original = vars(dist)["init_process_group"]
-    calls = []
-    monkeypatch.setattr(autoapply, "_import_in_progress", lambda: True)
-    monkeypatch.setattr(autoapply, "apply_from_env", lambda: calls.append("deferred"))
-    autoapply.apply_after_torch_import()
+    calls = _defer_the_runners_apply(monkeypatch)
     stand_in = vars(dist)["init_process_group"]
     assert stand_in.__ddp_patches__ is True and stand_in.__wrapped__ is original
     assert ddp_patches.revert() == []  # the stand-ins go, and are not reported as patches of an apply()
@@ -318,13 +327,8 @@ def test_a_deferred_apply_settles_first_and_revert_drops_it(monkeypatch):
 def test_a_wrapper_around_a_stand_in_reaches_the_original(monkeypatch):
     """A library that wraps DDP.__init__ while the runner's apply() waits: the first call settles, and the stand-in,
     reached again through that wrapper, hands the call to the original instead of recursing."""
-    from ddp_patches import autoapply
-
     original = vars(DDP)["__init__"]
-    calls = []
-    monkeypatch.setattr(autoapply, "_import_in_progress", lambda: True)
-    monkeypatch.setattr(autoapply, "apply_from_env", lambda: calls.append("deferred"))
-    autoapply.apply_after_torch_import()
+    calls = _defer_the_runners_apply(monkeypatch)
     stand_in = vars(DDP)["__init__"]
 
     def wrapper(self, *args, **kwargs):
