@@ -23,7 +23,7 @@ TORCH_CPU_DDP_TESTS = [
     "test_DistributedDataParallelCPU_grad_is_view",
     "test_DistributedDataParallel_requires_grad",
     "test_ddp_create_graph",
-    "test_ddp_logging_data_cpu",  # failed under the forced find_unused_parameters of the last release
+    "test_ddp_logging_data_cpu",  # failed when an earlier design forced find_unused_parameters
     "test_dump_DDP_relevant_env_vars",
 ]
 
