@@ -9,7 +9,9 @@ rank used ends with ``.grad`` None (NOTE [Unused parameters without find_unused_
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import weakref
@@ -29,19 +31,40 @@ logger = logging.getLogger("ddp_patches")
 _SETTLE_LOCK = threading.Lock()
 
 
+# NOTE [Several backwards of one forward]
+# Invariant: backwards that each run through part of one forward's outputs (an actor-critic's
+# ``pg_loss.backward(retain_graph=True); vf_loss.backward()``, an input gradient of one output then ``backward()``
+# on another) train as DDP alone trains them: its reducer finalizes once every parameter's hook has fired, in
+# whichever backward; a hook fired early with no gradient would finalize it with zeros and drop the later ones.
+# Rule: each output gets its own start node, so a backward runs (and frees) only the graph of the outputs it
+# passes. A settle whose missing parameters lie below an output still alive that no backward has run through yet
+# (outside what this backward runs, or below a Function that may nest a backward) fires nothing and stays armed:
+# the backward that leaves none pending settles (a dropped output takes no backward: its parameters fire). A
+# forward that comes first logs one WARNING; DDP then raises, as without the library.
+# Test: tests/test_reach_backwards.py::test_several_backwards_of_one_forward_train_as_ddp_does.
+# NOTE [A backward after the reduction]
+# Invariant: a backward through a forward's outputs after DDP finished that forward's reduction raises where DDP
+# alone raises. Alone, on a rank where some parameter got no gradient, the reducer is still waiting, and a second
+# ``loss.backward()`` of a retained graph raises "Expected to mark a variable ready only once"; once the library
+# has fired that parameter, the reducer has finalized and would ignore the second backward's hooks: its gradients
+# would stay unaveraged, silently.
+# Rule: a settle that fired any parameter marks its forward's start nodes; a later backward through one of them
+# that accumulates into the DDP's parameters raises, naming the fix. A rank that fired nothing lets DDP decide, as
+# alone (its reducer ignores the hooks there too).
+# Test: tests/test_reach_backwards.py::test_the_same_loss_backward_twice_raises_as_without_the_library.
 class _BackwardStart(torch.autograd.Function):
-    """Identity on the outputs; its backward (the first node of any backward through them) queues ``_settle``."""
+    """Identity on one output; its backward (the first node of any backward through it) queues ``_settle``."""
 
     @staticmethod
-    def forward(ctx, edges: "UnusedParameterEdges", ddp: nn.Module, *tensors: torch.Tensor):
-        ctx.set_materialize_grads(False)  # an output nobody backpropagates through must not become zeros
+    def forward(ctx, edges: "UnusedParameterEdges", ddp: nn.Module, tensor: torch.Tensor):
+        ctx.set_materialize_grads(False)  # a None passed down must not become an output-sized zero
         ctx.edges, ctx.ddp = edges, ddp  # held by this graph only, until its backward
-        return tuple(t.detach() for t in tensors)
+        return tensor.detach()
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, grad):
         ctx.edges.backward_started(ctx.ddp, ctx)  # ctx is this node: the DDP's graph lies below it
-        return (None, None, *grads)
+        return None, None, grad
 
 
 class _FireHooks(torch.autograd.Function):
@@ -96,28 +119,35 @@ class GraphFacts:
 def walk_graph(nodes: list) -> GraphFacts:
     """The custom autograd Functions below ``nodes`` (down to the leaves): which may nest, which communicate."""
     may_nest, collectives = None, []
-    seen = {id(node) for node in nodes}
+    seen = set(nodes)
     stack = [fn for node in nodes for fn, _ in node.next_functions if fn is not None]
-    pop, push, visit = stack.pop, stack.extend, seen.add
-    kinds: dict[type, str] = {}  # node type -> its Function's name ("" for a built-in node): one lookup per type
+    pop, push, visit = stack.pop, stack.append, seen.add
+    # Node type -> its Function's name, None for a built-in node: one lookup per type. A leaf has nothing below.
+    kinds: dict[type, str | None] = {_ACCUMULATE_GRAD: None}
     while stack:
         fn = pop()
-        if id(fn) in seen:
+        if fn in seen:
             continue
-        visit(id(fn))
-        kind = kinds.get(type(fn))
-        if kind is None:
+        visit(fn)
+        kind_of = type(fn)
+        if kind_of is _ACCUMULATE_GRAD:
+            continue
+        kind = kinds.get(kind_of, "")
+        if kind == "":
             cls = getattr(fn, "_forward_cls", None)
-            kind = kinds[type(fn)] = "" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
-        if kind:
+            kind = kinds[kind_of] = None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+        if kind is not None:
             if kind in _COLLECTIVES:
                 collectives.append(kind)
             elif kind not in _NO_NESTED_BACKWARD and may_nest is None:
                 may_nest = kind
-        nexts = fn.next_functions
-        if nexts:
-            push([f for f, _ in nexts if f is not None])
+        for below, _ in fn.next_functions:
+            if below is not None:
+                push(below)
     return GraphFacts(may_nest, collectives)
+
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
 # NOTE [Firing many hooks at once]
@@ -208,8 +238,9 @@ class UnusedParameterEdges:
         self._early: list[int] = []
         self._early_no_grad: list[int] = []  # of those, the ones without a gradient before they fired
         self._graph: GraphFacts | None = None  # what the walk at the start of this backward found
-        self._starts: list[weakref.ref] = []  # the _BackwardStart nodes of the forwards since the last settle
+        self._starts: list[tuple] = []  # per forward since the last settle, its outputs' _BackwardStart nodes (weakly)
         self._culprit: str | None = None  # the custom Function that kept the last late fire for the end
+        self._deferred = False  # the last settle left its missing parameters to a later backward of the forward
 
     def __getstate__(self) -> dict:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
@@ -218,7 +249,7 @@ class UnusedParameterEdges:
         state.update(_fired=set(), _fired_empty=set(), _node_hooks=[], _nodes=[], _active=False,
                      _armed=None, _settling_task=-1,
                      _pending_reset=None, _finalized_in_backward=False, _early=[], _early_no_grad=[], _graph=None,
-                     _starts=[])
+                     _starts=[], _deferred=False)
         return state
 
     def install(self, ddp: nn.Module) -> None:
@@ -256,6 +287,9 @@ class UnusedParameterEdges:
         # Under dynamo the outputs cannot be wrapped (no autograd graph while tracing): step aside (NOTE [Engines]).
         self._active = (not self._retired and torch.is_grad_enabled() and needed(ddp)
                         and not engines.compiling())
+        if self._deferred:
+            self._deferred = False
+            self._report_backward_never_came()
         if self._active:
             if not self._node_hooks:
                 self._watch_nodes()
@@ -263,50 +297,124 @@ class UnusedParameterEdges:
             self._fired_empty.clear()
             self._armed = weakref.ref(ddp)  # DDP prepares its reducer in this forward: one settle will follow
 
+    def _report_backward_never_came(self) -> None:
+        missing = [self._names[i] for i in range(len(self._params)) if i not in self._fired]
+        self._fired.clear()
+        self._fired_empty.clear()
+        self._early_no_grad, self._starts = [], []
+        log_rank0_once("deferred-never-came", logging.WARNING,
+                       "ddp_patches: the last forward's outputs lead to %d trainable parameter(s) (e.g. %s) that no "
+                       "backward reached, and no backward ran through those outputs before this forward: their DDP "
+                       "hooks were left to that backward, so DDP's reduction of the last step is unfinished, as "
+                       "without the library (NOTE [Several backwards of one forward] in ddp_patches/reach.py)",
+                       len(missing), missing[0] if missing else "?")
+
     def _attach(self, ddp, args, output):
         if not self._active:
             return None
         self._active = False
-        return map_tensors(output, _is_graph_output, lambda ts: self._start_node(_BackwardStart.apply(self, ddp, *ts)))
+        return map_tensors(output, _is_graph_output, lambda ts: self._start_nodes(ddp, ts))
 
-    def _start_node(self, outputs: tuple) -> tuple:
-        # Every forward's start node until the settle (weakly: a discarded output frees its graph): the walk must
+    def _start_nodes(self, ddp: nn.Module, tensors: list) -> tuple:
+        """One ``_BackwardStart`` per output (NOTE [Several backwards of one forward])."""
+        outputs = tuple(_BackwardStart.apply(self, ddp, t) for t in tensors)
+        # Every forward's start nodes until the settle (weakly: a discarded output frees its graph): the walks must
         # see below all of them, a second forward of this DDP in the same loss included.
         if len(self._starts) >= 8:  # forwards with grad and no backward (a detached reference output) add up
-            self._starts = [ref for ref in self._starts if ref() is not None]
-        self._starts.append(weakref.ref(outputs[0].grad_fn))
+            self._starts = [refs for refs in self._starts if any(ref() is not None for ref in refs)]
+        self._starts.append(tuple(weakref.ref(t.grad_fn) for t in outputs))
         return outputs
+
+    def _start_node_list(self) -> list:
+        return [node for refs in self._starts for node in (ref() for ref in refs) if node is not None]
 
     def backward_started(self, ddp: nn.Module, node: Any = None) -> None:
         """A backward through the outputs began (``_BackwardStart``; ``node`` is that node)."""
         # Two forwards of one DDP feeding one loss (a GAN's discriminator on real and fake data, a multi-task loss)
         # start this twice in one graph task: settle once, or the second settle sees an empty record and fires
         # every hook again ("marked as ready twice").
-        if self._armed is None or torch._C._current_graph_task_id() == self._settling_task:
+        if self._armed is None:
+            if getattr(node, "settled_by_fire", False):
+                self._refuse_a_backward_after_a_fired_settle(node)
+            return
+        if torch._C._current_graph_task_id() == self._settling_task:
+            node.ran = True
             return
         if _in_autograd_grad(self._nodes):
             return  # NOTE [Only a backward that accumulates]
+        node.ran = True  # this output's backward came: NOTE [Several backwards of one forward]
         self._queue_settle(ddp)
         if node is not None and _reducer_prepared(ddp):
             self._fire_unreachable(ddp, node)
 
+    def _refuse_a_backward_after_a_fired_settle(self, node: Any) -> None:
+        """NOTE [A backward after the reduction]: DDP alone would raise "marked ready twice" here."""
+        if _in_autograd_grad(self._nodes) or not any(map(torch._C._will_engine_execute_node, self._nodes)):
+            return  # accumulates nothing: the reducer is not involved
+        raise RuntimeError(
+            "ddp_patches: a second backward runs through outputs of a DistributedDataParallel forward whose "
+            "gradients were already reduced in an earlier backward, in which some trainable parameter got no "
+            "gradient on this rank and fired its DDP hook empty. DDP alone raises \"Expected to mark a variable "
+            "ready only once\" here; its reducer now ignores these gradients, so they would stay unaveraged. Sum the "
+            "losses into one backward, or run a forward per backward (NOTE [A backward after the reduction] in "
+            "ddp_patches/reach.py).")
+
     def _fire_unreachable(self, ddp: nn.Module, node: Any) -> None:
         """NOTE [Unused parameters marked where DDP marks them]: at the start of the backward, the parameters
         this graph task cannot reach fire now, unless a Function below may reach them in a nested backward."""
-        runs = [torch._C._will_engine_execute_node(n) for n in self._nodes]
+        runs = list(map(torch._C._will_engine_execute_node, self._nodes))
         # A parameter frozen since the DDP was built has no edge to fire: ddp_patches/reducer.py names it instead
         # (NOTE [A frozen parameter is judged at the backward]).
         unreachable = [i for i, will_run in enumerate(runs)
                        if not will_run and i not in self._fired and self._params[i].requires_grad]
         if not unreachable or not any(runs):
             return  # all reached; or none: autograd.grad / backward(inputs=x) (NOTE [Only a backward that accumulates])
-        starts = [n for n in (ref() for ref in self._starts) if n is not None]
-        self._graph = walk_graph(starts or [node])
+        if self._later_backward_may_reach(unreachable):
+            return  # decided at the end: NOTE [Several backwards of one forward]
+        self._graph = walk_graph(self._start_node_list() or [node])
         if self._graph.may_nest:
             return  # decided at the end, as a nested backward may still accumulate them
-        self._early_no_grad = [i for i in unreachable if self._params[i].grad is None]
-        self._early = unreachable
+        self._early_no_grad += [i for i in unreachable if self._params[i].grad is None]
+        self._early += unreachable
         self._fire(ddp, unreachable)
+
+    def _later_backward_may_reach(self, unreached: list[int], starts: list | None = None) -> bool:
+        """NOTE [Several backwards of one forward]: whether an output of the forwards since the last settle that
+        no backward has run through yet leads to one of the ``unreached`` parameters (or to a Function that may
+        run a nested backward), outside what this graph task runs."""
+        will_run = torch._C._will_engine_execute_node
+        starts = self._starts if starts is None else starts
+        pending = [node for refs in starts for node in (ref() for ref in refs)
+                   if node is not None and not getattr(node, "ran", False) and not will_run(node)]
+        if not pending:
+            return False
+        targets = {id(self._nodes[i]) for i in unreached}
+        seen = {id(node) for node in pending}
+        stack = [fn for node in pending for fn, _ in node.next_functions if fn is not None]
+        while stack:
+            fn = stack.pop()
+            if id(fn) in seen:
+                continue
+            seen.add(id(fn))
+            if id(fn) in targets:
+                return True
+            if will_run(fn):
+                continue  # runs in this backward, and so does everything below it
+            cls = getattr(fn, "_forward_cls", None)
+            if cls is not None and f"{cls.__module__}.{cls.__qualname__}" not in _NO_NESTED_BACKWARD:
+                return True  # may reach parameters in a nested backward the graph does not show
+            stack.extend(f for f, _ in fn.next_functions if f is not None)
+        return False
+
+    def _defer(self, ddp: nn.Module, fired: set, empty: list, early_no_grad: list, starts: list) -> None:
+        """NOTE [Several backwards of one forward]: fire nothing now; the backward that leaves no output pending
+        settles what is still missing then."""
+        self._fired.update(fired)
+        self._fired_empty.update(empty)
+        self._early_no_grad = early_no_grad + self._early_no_grad
+        self._starts = starts + self._starts
+        self._armed = weakref.ref(ddp)
+        self._deferred = True
 
     def parameter_accumulated(self, index: int, empty: bool = False) -> None:
         """A post-hook of parameter ``index``'s AccumulateGrad ran (``empty``: with no gradient, as after a
@@ -338,7 +446,7 @@ class UnusedParameterEdges:
         self._fired.clear()
         self._fired_empty.clear()
         self._early, self._early_no_grad, self._graph = [], [], None
-        self._starts = []
+        starts, self._starts = self._starts, []
         if not self._params or not _reducer_prepared(ddp):
             return  # a forward under no_sync prepared no reduction: the reducer ignores hooks, nothing to fire
         if not fired and not early:  # NOTE [Only a backward that accumulates]: the forward's reduction is to come
@@ -346,9 +454,15 @@ class UnusedParameterEdges:
             return
         fired.update(early)
         late = [i for i in range(len(self._params)) if i not in fired]
+        if late and self._later_backward_may_reach(late, starts):
+            self._defer(ddp, fired, empty, early_no_grad, starts)
+            return
+        self._deferred = False
         self.attached_last = len(late) + len(early)
         no_grad = early_no_grad + empty + [i for i in late if self._params[i].grad is None]
         if early or late:
+            for node in (node for refs in starts for node in (ref() for ref in refs) if node is not None):
+                node.settled_by_fire = True  # NOTE [A backward after the reduction]
             first = (early or late)[0]
             log_rank0_once("unused-edges", logging.INFO,
                            "ddp_patches: %d trainable parameter(s) got no gradient in this backward (e.g. %s); each "
@@ -407,7 +521,9 @@ class UnusedParameterEdges:
         ranks that fired it at the end of the backward (NOTE [Unused parameters marked where DDP marks them])."""
         group = getattr(ddp, "process_group", None)
         world = torch.distributed.get_world_size(group)
-        counts = _count_tensor(len(self._params), no_grad, late, world, self._params[0].device)
+        device = self._params[0].device
+        no_grad_index = torch.tensor(no_grad, dtype=torch.long, device=device) if no_grad else None
+        counts = _count_tensor(len(self._params), no_grad_index, late, world, device)
         torch.distributed.all_reduce(counts, group=group)
         finalized, self._finalized_in_backward = self._finalized_in_backward, False
         if late and context is not None:  # read back only where a late fire met another collective
@@ -415,18 +531,19 @@ class UnusedParameterEdges:
             self._refuse_a_mixed_late_fire(late, late_counts, world, context, self._culprit)
         if not no_grad:
             return  # every parameter had a gradient here, so none is unused everywhere: nothing to read back
-        self._pending_reset = (no_grad, torch.remainder(counts, world + 1), world)
+        # On the device, read back at the reset: unused on every rank where the count of ranks without it is world.
+        self._pending_reset = (no_grad, torch.remainder(counts[no_grad_index], world + 1) == world)
         if finalized or not getattr(ddp, "_require_manual_backward_finalization", False):
             self.apply_pending_reset()  # else at the user's finalize_backward(): NOTE [Manual finalization]
 
     def apply_pending_reset(self) -> None:
         if self._pending_reset is None:
             return
-        no_grad, counts, world = self._pending_reset
+        no_grad, unused_everywhere = self._pending_reset
         self._pending_reset = None
-        for i, unused in zip(no_grad, (counts[no_grad] == world).tolist()):
-            if unused:
-                self._params[i].grad = None
+        params = self._params
+        for i in itertools.compress(no_grad, unused_everywhere.tolist()):
+            params[i].grad = None
 
     def backward_finalized(self) -> None:
         """The user called ``finalize_backward()`` (torch >= 2.15, manual finalization): the reducer has written
@@ -440,9 +557,7 @@ class UnusedParameterEdges:
         """Each missing parameter's DDP hook, once, with no gradient (NOTE [Firing many hooks at once])."""
         static = bool(getattr(ddp, "static_graph", False))
         if not static and self._reducer_index is not None:
-            mark_ready = ddp.reducer._autograd_hook
-            for i in missing:
-                mark_ready(self._reducer_index[i])
+            collections.deque(map(ddp.reducer._autograd_hook, map(self._reducer_index.__getitem__, missing)), 0)
             return
         with torch.enable_grad():
             out = _FireHooks.apply(static, *(self._params[i] for i in missing))
@@ -456,7 +571,7 @@ class UnusedParameterEdges:
         """On a rank that joined: the count-all-reduce its peers issue, with "no gradient here" everywhere."""
         group = getattr(ddp, "process_group", None)
         n = len(self._params)
-        counts = _count_tensor(n, range(n), [], torch.distributed.get_world_size(group), self._params[0].device)
+        counts = _count_tensor(n, slice(None), [], torch.distributed.get_world_size(group), self._params[0].device)
         torch.distributed.all_reduce(counts, group=group)  # no gradient anywhere here; fired late nowhere
 
 
@@ -634,13 +749,13 @@ def install(ddp: nn.Module) -> UnusedParameterEdges:
     return edges
 
 
-def _count_tensor(n: int, no_grad, late, world: int, device) -> torch.Tensor:
+def _count_tensor(n: int, no_grad: torch.Tensor | slice | None, late, world: int, device) -> torch.Tensor:
     """Per parameter: 1 where it had no gradient here, plus world + 1 where it fired late here. After the sum over
     ranks, ``value % (world + 1)`` counts the ranks without a gradient and ``value // (world + 1)`` the late ones;
     float32 holds both exactly while (world + 1)^2 < 2^24, float64 beyond."""
     counts = torch.zeros(n, dtype=torch.float32 if world < 4000 else torch.float64, device=device)
-    if no_grad:
-        counts[torch.tensor(list(no_grad), device=device)] = 1.0
+    if no_grad is not None:
+        counts[no_grad] = 1.0
     if late:
         counts[torch.tensor(late, device=device)] += float(world + 1)
     return counts

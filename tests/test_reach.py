@@ -23,7 +23,7 @@ def test_outputs_are_aliases_and_a_fired_hook_leaves_grad_alone():
             torch.autograd.backward(out, torch.zeros_like(out))
 
     y = used * 2
-    (out,) = _BackwardStart.apply(Settles(), None, y)
+    out = _BackwardStart.apply(Settles(), None, y)
     assert out.data_ptr() == y.data_ptr() and not out._is_view()  # an alias, not a copy or a view
     out.mul_(3)  # in-place on an output still works (TRL divides logits by the temperature in place)
     out.sum().backward()
