@@ -16,6 +16,7 @@ import weakref
 from typing import Callable
 
 import torch
+from torch.nn.utils import parametrize
 
 from . import engines, reach
 from ._registry import REGISTRY
@@ -90,21 +91,23 @@ def auto_shards(rows: int, hidden: int, intermediate: int) -> int:
 # Test: tests/test_tiled_mlp_recompute.py::test_tiled_mlp_runs_no_extra_forward_in_the_recompute.
 class SaveMLPInput(torch.autograd.Function):
     """``x2d -> x2d`` (a view) that saves ``x2d`` for the TiledMLPFunction applied to its output, which reads it
-    from this node in its backward. NOTE [Recompute ends before the tiled forward]. ``anchor``: an empty leaf
-    that requires grad, passed only when ``x2d`` does not, so that this node is recorded (and saves) at all."""
+    from this node in its backward. NOTE [Recompute ends before the tiled forward]. ``read``: the MLP's parameters,
+    saved beside it for torch's version check, in a tuple so that they are no inputs of this node
+    (NOTE [The replay reads what the forward read]). ``anchor``: an empty leaf that requires grad, passed only
+    when ``x2d`` does not, so that this node is recorded (and saves) at all."""
 
     @staticmethod
-    def forward(ctx, x2d: torch.Tensor, *anchor: torch.Tensor):
+    def forward(ctx, x2d: torch.Tensor, read: tuple, *anchor: torch.Tensor):
         ctx.anchors = len(anchor)
         ctx.set_materialize_grads(False)  # a frozen input gets None from the tiled backward: no zeros made
-        ctx.save_for_backward(x2d)
+        ctx.save_for_backward(x2d, *read)
         return x2d.view_as(x2d)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None):
         # Pass-through. Its saved input is never read here: the tiled backward, which runs first, read it (under
         # a non-reentrant checkpoint a saved tensor can be unpacked once per backward).
-        return (grad, *([None] * ctx.anchors))
+        return (grad, None, *([None] * ctx.anchors))
 
 
 # NOTE [Why the parameters are inputs of the Function]
@@ -128,10 +131,10 @@ class TiledMLPFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, forward_fn: Callable, rows: list[int], input_node, want_x: bool, x2d: torch.Tensor,
-                *params: torch.Tensor):
+    def forward(ctx, forward_fn: Callable, rows: list[int], input_node, want_x: bool, slots: tuple,
+                x2d: torch.Tensor, *params: torch.Tensor):
         ctx.forward_fn, ctx.rows, ctx.params = forward_fn, rows, params
-        ctx.input_node, ctx.want_x = input_node, want_x
+        ctx.input_node, ctx.want_x, ctx.slots = input_node, want_x, slots
         ctx.autocast = _autocast_state(x2d.device.type)
         ctx.rng_states = []
         out, start = None, 0
@@ -146,25 +149,34 @@ class TiledMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (x2d,) = ctx.input_node.saved_tensors  # it has not run its backward yet: it comes after this node
-        want_x = ctx.want_x and ctx.needs_input_grad[4]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
-        if torch.is_grad_enabled():  # backward(create_graph=True): NOTE [A differentiable tiled backward]
-            return (None, None, None, None, *_differentiable_grads(ctx, x2d, grad_out, want_x, wanted))
-        dx = torch.empty_like(x2d) if want_x else None
-        grads: list[torch.Tensor | None] = [None] * len(ctx.params)
-        start = 0
-        for shard, g_shard, rng in zip(x2d.split(ctx.rows), grad_out.split(ctx.rows), ctx.rng_states):
-            shard = shard.detach().requires_grad_(want_x)
-            got = _shard_grads(ctx, shard, g_shard, rng, want_x, wanted, create_graph=False)
-            if want_x:
-                dx[start:start + shard.shape[0]] = got[0] if got[0] is not None else 0
-                got = got[1:]
-            for i, g in zip(wanted, got):
-                if g is not None:
-                    grads[i] = g if grads[i] is None else grads[i].add_(g)
-            start += shard.shape[0]
-        return (None, None, None, None, dx, *_unused_as_untiled(ctx, grads, wanted))
+        # It has not run its backward yet (it comes after this node); unpacking runs torch's version check on the
+        # input and the parameters: NOTE [The replay reads what the forward read].
+        x2d = ctx.input_node.saved_tensors[0]
+        with _as_in_forward(ctx.slots):
+            return (None, None, None, None, None, *_backward(ctx, x2d, grad_out))
+
+
+def _backward(ctx, x2d: torch.Tensor, grad_out: torch.Tensor) -> list:
+    """[dx, *param grads] of TiledMLPFunction: each shard replayed and differentiated
+    (NOTE [Why the parameters are inputs of the Function])."""
+    want_x = ctx.want_x and ctx.needs_input_grad[5]
+    wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+    if torch.is_grad_enabled():  # backward(create_graph=True): NOTE [A differentiable tiled backward]
+        return _differentiable_grads(ctx, x2d, grad_out, want_x, wanted)
+    dx = torch.empty_like(x2d) if want_x else None
+    grads: list[torch.Tensor | None] = [None] * len(ctx.params)
+    start = 0
+    for shard, g_shard, rng in zip(x2d.split(ctx.rows), grad_out.split(ctx.rows), ctx.rng_states):
+        shard = shard.detach().requires_grad_(want_x)
+        got = _shard_grads(ctx, shard, g_shard, rng, want_x, wanted, create_graph=False)
+        if want_x:
+            dx[start:start + shard.shape[0]] = got[0] if got[0] is not None else 0
+            got = got[1:]
+        for i, g in zip(wanted, got):
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i].add_(g)
+        start += shard.shape[0]
+    return [dx, *_unused_as_untiled(ctx, grads, wanted)]
 
 
 def _unused_as_untiled(ctx, grads: list, wanted: list[int]) -> list:
@@ -216,14 +228,68 @@ def _differentiable_grads(ctx, x2d: torch.Tensor, grad_out: torch.Tensor, want_x
     return [torch.cat(dx_parts) if want_x else None, *_unused_as_untiled(ctx, grads, wanted)]
 
 
-def apply_tiled(forward_fn: Callable, rows: list[int], x2d: torch.Tensor,
-                params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def apply_tiled(forward_fn: Callable, rows: list[int], x2d: torch.Tensor, params: tuple[torch.Tensor, ...],
+                module: torch.nn.Module | None = None) -> torch.Tensor:
     """The tiled MLP on ``x2d`` (tokens x hidden): its input saved by a SaveMLPInput node placed before the
-    TiledMLPFunction, which saves nothing (NOTE [Recompute ends before the tiled forward])."""
+    TiledMLPFunction, which saves nothing (NOTE [Recompute ends before the tiled forward]). ``module``: the MLP
+    ``forward_fn`` runs, whose tensors the replay reads as the forward did
+    (NOTE [The replay reads what the forward read]); None (a direct call, as the memory simulator makes)
+    records and saves nothing more."""
+    slots = _slots(module) if module is not None else ()
+    read = tuple({id(t): t for _, _, t, is_param in slots if is_param}.values())
     want_x = x2d.requires_grad
     anchor = () if want_x else (torch.empty(0, device=x2d.device, requires_grad=True),)
-    saved = SaveMLPInput.apply(x2d, *anchor)
-    return TiledMLPFunction.apply(forward_fn, rows, saved.grad_fn, want_x, saved, *params)
+    saved = SaveMLPInput.apply(x2d, read, *anchor)
+    return TiledMLPFunction.apply(forward_fn, rows, saved.grad_fn, want_x, slots, saved, *params)
+
+
+# NOTE [The replay reads what the forward read]
+# Invariant: the tiled backward differentiates the tensors the forward read, holding the values they held then,
+# or raises as torch does. Its replay calls the MLP again at backward time, when the module may hold other
+# tensors (``torch.func.functional_call``, SAM's perturbed weights: restored by then) or the same ones edited in
+# place (an edited weight was replayed silently; substituted weights got no gradient).
+# Rule: each tiled call records the MLP's parameter and buffer slots with the tensors in them (``_slots``); the
+# replay puts back any the module no longer holds and restores the module after (``_as_in_forward``). Every
+# parameter, trainable or frozen, is saved by ``SaveMLPInput`` beside the input (references: no memory), so
+# torch's version check raises on an in-place edit, as untiled; also where untiled kept only intermediates (a
+# bias, a frozen weight whose input needs no grad), whose edit a replay could only get wrong. Under
+# ``parametrize.cached()`` a parametrized weight would be computed once, inside the no_grad forward: such a call
+# runs untiled with one WARNING line.
+# Test: tests/test_tiled_mlp_replay.py::test_functional_call_with_substituted_parameters_is_exact.
+def _slots(module: torch.nn.Module) -> tuple:
+    """(slot dict, name, tensor, is a parameter) for every parameter and buffer ``module`` and its submodules
+    hold now: what its forward reads (NOTE [The replay reads what the forward read]). A walk of the dicts
+    themselves: ``functional_call`` puts its tensors there."""
+    found, seen, stack = [], set(), [module]
+    while stack:
+        m = stack.pop()
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        found += [(m._parameters, n, t, True) for n, t in m._parameters.items() if t is not None]
+        found += [(m._buffers, n, t, False) for n, t in m._buffers.items() if t is not None]
+        stack.extend(m._modules.values())
+    return tuple(found)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _as_in_forward(slots: tuple):
+    """The module holds the forward's tensors inside this block (a no-op where it still does: the usual case)."""
+    moved = [(d, n, t, d.get(n, _MISSING)) for d, n, t, _ in slots if d.get(n) is not t]
+    for d, n, t, _ in moved:
+        d[n] = t
+    try:
+        yield
+    finally:
+        for d, n, _, held in reversed(moved):
+            if held is _MISSING:
+                d.pop(n, None)
+            else:
+                d[n] = held
+
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -280,7 +346,8 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
         rows = x.numel() // hidden if hidden else 0
         params = tuple(p for p in self.parameters() if p.requires_grad)
         if not (params or x.requires_grad) or not _long_enough(rows, hidden) \
-                or _hooked(self, params) or _verdict(self, x, original_forward) is not None \
+                or _hooked(self, params) or _cached_parametrization(self) \
+                or _verdict(self, x, original_forward) is not None \
                 or _reaches_outside(self, x, original_forward):
             return original_forward(self, x)
         sizes = _plan(self, x, rows, hidden)
@@ -288,10 +355,25 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
             return original_forward(self, x)
         _counts["tiled_calls"] += 1
         _counts["shards"] += len(sizes)
-        out = apply_tiled(lambda shard: original_forward(self, shard), sizes, x.reshape(rows, hidden), params)
+        out = apply_tiled(lambda shard: original_forward(self, shard), sizes, x.reshape(rows, hidden), params,
+                          module=self)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     return forward
+
+
+def _cached_parametrization(module: torch.nn.Module) -> bool:
+    """Whether a parametrized weight of ``module`` would be cached inside the no_grad tiled forward (or a probe)
+    and the replay then read it without history; logs why (NOTE [The replay reads what the forward read]).
+    Decided before the probes: under the cache they would fill it with a tensor without history."""
+    if not getattr(parametrize, "_cache_enabled", 0) \
+            or not any(parametrize.is_parametrized(m) for m in module.modules()):
+        return False
+    log_rank0_once(f"tiled-cached-{type(module).__qualname__}", logging.WARNING,
+                   "ddp_patches: tiled MLP: %s runs untiled: a parametrized weight inside "
+                   "torch.nn.utils.parametrize.cached() (NOTE [The replay reads what the forward read] in "
+                   "ddp_patches/tiled_mlp.py)", type(module).__qualname__)
+    return True
 
 
 # NOTE [Hooks inside a tiled MLP]
@@ -444,6 +526,10 @@ def _outside_tensor(module: torch.nn.Module, rows: torch.Tensor, original_forwar
     """A trainable tensor other than the MLP's own parameters that its output depends on (the tiled backward
     would not differentiate it: NOTE [Hooks inside a tiled MLP]); one small forward with grad, on 2 rows."""
     own = {id(p) for p in module.parameters()}
+    # A parameter substituted for this call (``functional_call``'s ``w + e``) is the module's own: the walk stops at
+    # it rather than take the ``w`` behind it for a tensor from outside
+    # (NOTE [The replay reads what the forward read]).
+    stops = {p.grad_fn for p in module.parameters() if p.grad_fn is not None}
     devices = [rows.device] if rows.device.type == "cuda" else []
     # Its own identity saved-tensor hooks: inside a checkpointed forward, the checkpoint's (or offload's) hooks must
     # not count what this probe saves (the recompute runs no probe).
@@ -453,7 +539,7 @@ def _outside_tensor(module: torch.nn.Module, rows: torch.Tensor, original_forwar
     seen, stack = set(), [out.grad_fn] if out.grad_fn is not None else []
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in seen or node in stops:
             continue
         seen.add(id(node))
         leaf = getattr(node, "variable", None)

@@ -81,7 +81,7 @@ class LegacyTiledMLPFunction(torch.autograd.Function):
         return (None, None, dx, *grads)
 
 
-def _legacy_apply(forward_fn, rows, x2d, params):
+def _legacy_apply(forward_fn, rows, x2d, params, module=None):
     return LegacyTiledMLPFunction.apply(forward_fn, rows, x2d, *params)
 
 
