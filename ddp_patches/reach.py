@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+import operator
 import threading
 import weakref
 from typing import Any, Callable
@@ -148,6 +149,9 @@ def walk_graph(nodes: list) -> GraphFacts:
 
 
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+# The C getters, called directly: a Parameter's attribute lookup costs twice as much per call.
+_REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
+_GRAD, _SET_GRAD = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__
 
 
 # NOTE [Firing many hooks at once]
@@ -362,19 +366,26 @@ class UnusedParameterEdges:
     def _fire_unreachable(self, ddp: nn.Module, node: Any) -> None:
         """NOTE [Unused parameters marked where DDP marks them]: at the start of the backward, the parameters
         this graph task cannot reach fire now, unless a Function below may reach them in a nested backward."""
+        # Thousands of parameters per backward (an MoE's idle experts): each pass below runs at C speed.
         runs = list(map(torch._C._will_engine_execute_node, self._nodes))
+        if all(runs) or not any(runs):
+            return  # all reached; or none: autograd.grad / backward(inputs=x) (NOTE [Only a backward that accumulates])
+        unreachable = list(itertools.compress(range(len(runs)), map(operator.not_, runs)))
+        if self._fired:
+            unreachable = [i for i in unreachable if i not in self._fired]
         # A parameter frozen since the DDP was built has no edge to fire: ddp_patches/reducer.py names it instead
         # (NOTE [A frozen parameter is judged at the backward]).
-        unreachable = [i for i, will_run in enumerate(runs)
-                       if not will_run and i not in self._fired and self._params[i].requires_grad]
-        if not unreachable or not any(runs):
-            return  # all reached; or none: autograd.grad / backward(inputs=x) (NOTE [Only a backward that accumulates])
+        params = list(map(self._params.__getitem__, unreachable))
+        unreachable = list(itertools.compress(unreachable, map(_REQUIRES_GRAD, params)))
+        if not unreachable:
+            return
         if self._later_backward_may_reach(unreachable):
             return  # decided at the end: NOTE [Several backwards of one forward]
         self._graph = walk_graph(self._start_node_list() or [node])
         if self._graph.may_nest:
             return  # decided at the end, as a nested backward may still accumulate them
-        self._early_no_grad += [i for i in unreachable if self._params[i].grad is None]
+        grads = map(_GRAD, map(self._params.__getitem__, unreachable))
+        self._early_no_grad += itertools.compress(unreachable, map(operator.is_, grads, itertools.repeat(None)))
         self._early += unreachable
         self._fire(ddp, unreachable)
 
@@ -541,9 +552,8 @@ class UnusedParameterEdges:
             return
         no_grad, unused_everywhere = self._pending_reset
         self._pending_reset = None
-        params = self._params
-        for i in itertools.compress(no_grad, unused_everywhere.tolist()):
-            params[i].grad = None
+        unused = map(self._params.__getitem__, itertools.compress(no_grad, unused_everywhere.tolist()))
+        collections.deque(map(_SET_GRAD, unused, itertools.repeat(None)), 0)  # p.grad = None for each
 
     def backward_finalized(self) -> None:
         """The user called ``finalize_backward()`` (torch >= 2.15, manual finalization): the reducer has written

@@ -6,7 +6,6 @@ backward the reducer would wait for (``TrainableParametersChangedError``, naming
 from __future__ import annotations
 
 import logging
-import operator
 import weakref
 from typing import Any
 
@@ -141,7 +140,7 @@ def _module_registered(module, name, submodule) -> None:
         _registrations[0] += 1
 
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_REQUIRES_GRAD = torch.Tensor.requires_grad.__get__  # the C getter: half a Parameter's attribute lookup
 
 
 class _ParameterListing:
