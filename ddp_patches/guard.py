@@ -8,7 +8,6 @@ replica check (``ddp_patches.replica_check``) compares the ranks' parameters bef
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 import itertools
@@ -83,12 +82,22 @@ class _Tracked:
     group_ranks: tuple[int, ...] = ()
     # None until a comm hook is seen: NOTE [Replica check only where DDP promises equal replicas]
     hook_keeps_equal: bool | None = None
-    averaged_elsewhere: bool = False  # its gradients were found equal across ranks: NOTE [Confirmed before it speaks]
+    # The store protocol of both checks (NOTE [A store wait has a partner that will come] in replica_check.py)
+    segment: int = 0  # Joins this DDP took part in, over: NOTE [Join ends a segment of step counts]
+    segment_base: int = 0  # ``steps`` when the segment began
+    forwards_at_step: int = 0  # ``synced_forwards`` at this DDP's previous step
+    synced_in_segment: bool = False  # a step of this segment followed a synchronised forward
+    anchored: bool = False  # this step followed a synchronised forward
+    may_wait: bool = False  # this rank may wait in the store at this step
+    unpaired: bool = False  # a wait timed out in this segment: none more in it
+    left: set = field(default_factory=set)  # partners out of data in this segment
+    records: list = field(default_factory=list)  # (step, key) this rank wrote to the store and has not deleted
 
 
 _counter = itertools.count()  # never reset: one index per tracked DDP for the life of the process
 _group_counters: dict[tuple[int, ...], "itertools.count[int]"] = {}  # per group of ranks, never reset (store keys)
 _owner: dict[int, _Tracked] = {}  # id(param) -> its tracked DDP
+_by_ddp: dict[int, _Tracked] = {}  # id(ddp) -> its record (a Join names its DDPs)
 # id(param) -> (tracked DDP, averaged by a backward DDP prepared itself), for gradients written since its last step
 _written: dict[int, tuple[_Tracked, bool]] = {}
 
@@ -119,6 +128,7 @@ def track(ddp: DDP) -> None:
             REGISTRY.add_handle(p.register_post_accumulate_grad_hook(hook))
     for _, p in named:
         _owner[id(p)] = tracked
+    _by_ddp[id(ddp)] = tracked
     weakref.finalize(ddp, _forget, tracked)
     log_rank0_once(f"guard-watch:{tracked.label}:{len(named)}", logging.INFO,
                    "ddp_patches: the guard watches %s (%d trainable tensors): %s", tracked.label, len(named),
@@ -128,6 +138,8 @@ def track(ddp: DDP) -> None:
 def _forget(tracked: _Tracked) -> None:
     for pid in [k for k, v in _owner.items() if v is tracked]:
         del _owner[pid]
+    for key in [k for k, v in _by_ddp.items() if v is tracked]:
+        del _by_ddp[key]
     for pid in [k for k, v in _written.items() if v[0] is tracked]:
         del _written[pid]
 
@@ -263,59 +275,82 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
             if not synced_since and not tracked.stepped_aside and tracked.index not in unsynced:
                 unsynced[tracked.index] = (tracked, tracked.names[pid])
     every = _settings.replica_check_every
-    for tracked, name in unsynced.values():
-        if tracked.warned:
-            continue  # said once per DDP and process already (a run that does this does it every step)
-        step = tracked.steps + 1
-        due = not tracked.averaged_elsewhere or step <= 2 or step % (every or DEFAULT_REPLICA_CHECK_EVERY) == 0
-        if due and _gradients_differ(tracked, optimizer):
-            _report_unsynced(tracked, name)
     for tracked in touched.values():
-        tracked.steps += 1
-        due = replica_check.due(tracked.steps, every)
-        if due and not tracked.no_store and replica_check.promised_equal(tracked):
+        replica_check.count_step(tracked)
+    if _settings.on_unsynced != "off":
+        due = [t for t in touched.values() if replica_check.gradients_due(t, every)]
+        for tracked in _gradients_differ(due, unsynced, optimizer):
+            _report_unsynced(tracked, unsynced[tracked.index][1])
+    for tracked in touched.values():
+        if replica_check.due(replica_check.check_step(tracked), every) and not tracked.no_store \
+                and replica_check.promised_equal(tracked):
             replica_check.check_replicas(tracked, every=every, on_divergence=_settings.on_unsynced)
-
 
 
 # NOTE [Confirmed before it speaks]
 # Invariant: the forward count says only that DDP did not average a backward; gradients averaged another way
 # (``no_sync()`` micro-steps, then ``dist.all_reduce(p.grad); p.grad /= world`` by hand) are correct and are never
 # reported.
-# Rule: a step the count calls unsynchronised is reported only if the gradients really differ: each rank of the
-# DDP's group writes a fingerprint of the gradients this optimizer is about to apply for that DDP (per parameter,
-# float64 sum and L2 norm, in the optimizer's order) to the rendezvous store, reads one partner's (rank 0 reads its
-# group's second rank, every other rank reads rank 0) and compares bit for bit, with no collective and a bounded
-# wait (NOTE [Replica check without a collective]); a partner that does not come is a skipped check, never a verdict.
-# Equal: silent, and the DDP is averaged elsewhere: confirmed again only at steps 1 and 2 and every
-# ``replica_check_every``-th (100 where that is 0). Different: reported on every rank whose gradients differ.
-# Tests: tests/test_guard.py::test_hand_averaged_gradients_are_silent and
-# tests/test_guard.py::test_hand_averaging_left_out_later_is_reported
-def _gradients_differ(tracked: _Tracked, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether this rank's gradients for ``tracked``'s parameters differ from its partner's; False where they are
-    equal or the comparison could not be made (NOTE [Confirmed before it speaks])."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-             if _owner.get(id(p)) is tracked and p.grad is not None]
-    ranks, me = tracked.group_ranks, dist.get_rank()
-    if len(ranks) < 2:
-        return True
-    mine = replica_check.fingerprint(grads)
-    key = f"{tracked.key_prefix}/grads/{tracked.steps + 1}"
-    partner = ranks[1] if me == ranks[0] else ranks[0]
-    try:
-        store = replica_check.rendezvous_store()
-        store.set(f"{key}/{me}", mine.numpy().tobytes())
-        store.wait([f"{key}/{partner}"], datetime.timedelta(seconds=replica_check.REPLICA_CHECK_TIMEOUT_S))
-        theirs = bytes(store.get(f"{key}/{partner}"))
-    except (RuntimeError, AttributeError, ValueError) as exc:
-        logger.warning("ddp_patches: rank %d: %s: could not compare gradients with rank %d before optimizer step "
-                       "%d (%s); the unsynchronised-gradient check is skipped for this step", me, tracked.label,
-                       partner, tracked.steps + 1, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-        return False
-    if theirs == bytes(mine.numpy().tobytes()):
-        tracked.averaged_elsewhere = True
-        return False
-    return True
+# Rule: a step the count calls unsynchronised is reported only if the gradients really differ, compared through the
+# store at the steps every rank checks (1, 2, every ``replica_check_every``-th, 100 where that is 0, of a segment):
+# there the group's first two ranks write a fingerprint of the gradients this optimizer is about to apply for the
+# DDP (per parameter, float64 sum and L2 norm, in the optimizer's order; "synced" where DDP averaged them), also
+# once they warned; a rank that has not warned reads one partner's (rank 0 its group's second rank, every other
+# rank rank 0) and compares bit for bit, no collective (NOTE [A store wait has a partner that will come]). Not
+# compared: never a verdict. Different: reported on every rank whose gradients differ, once per DDP.
+# Test: tests/test_guard.py::test_hand_averaging_left_out_later_is_reported
+def _gradients_differ(due: list[_Tracked], unsynced: dict[int, tuple[_Tracked, str]],
+                      optimizer: torch.optim.Optimizer) -> list[_Tracked]:
+    """The DDPs among ``due`` whose gradients on this rank differ from its partner's; every record this rank owes
+    its partners is written first (NOTE [Confirmed before it speaks])."""
+    me = dist.get_rank()
+    reads = []
+    for tracked in due:
+        ranks, want = tracked.group_ranks, tracked.index in unsynced and not tracked.warned
+        if len(ranks) < 2:
+            reads += [(tracked, None, None)] if want else []  # no partner: the count alone speaks
+            continue
+        if me not in ranks[:2] and not want:
+            continue  # nobody reads this rank's record, and it asks nothing
+        if tracked.index in unsynced:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                     if _owner.get(id(p)) is tracked and p.grad is not None]
+            mine = replica_check.fingerprint(grads).numpy().tobytes()
+        else:
+            mine = replica_check.SYNCED
+        step = replica_check.check_step(tracked)
+        try:
+            if me in ranks[:2]:
+                replica_check.write_record(replica_check.rendezvous_store(), tracked,
+                                           replica_check.segment_key(tracked, "grads", step, me), mine)
+        except (RuntimeError, AttributeError, ValueError) as exc:
+            _not_compared(tracked, ranks[1] if me == ranks[0] else ranks[0], exc)
+            continue
+        if want:
+            reads.append((tracked, step, mine))
+    differ = []
+    for tracked, step, mine in reads:
+        if step is None:
+            differ.append(tracked)
+            continue
+        ranks = tracked.group_ranks
+        partner = ranks[1] if me == ranks[0] else ranks[0]
+        try:
+            theirs = replica_check.read_partner(
+                replica_check.rendezvous_store(), tracked, replica_check.segment_key(tracked, "grads", step, partner),
+                partner, f"the gradient comparison of {tracked.label}")
+        except (RuntimeError, AttributeError, ValueError) as exc:
+            _not_compared(tracked, partner, exc)
+            continue
+        if theirs is not None and theirs != replica_check.SYNCED and theirs != mine:
+            differ.append(tracked)
+    return differ
+
+
+def _not_compared(tracked: _Tracked, partner: int, exc: BaseException) -> None:
+    logger.warning("ddp_patches: rank %d: %s: could not compare gradients with rank %d before optimizer step %d (%s); "
+                   "the unsynchronised-gradient check is skipped for this step", dist.get_rank(), tracked.label,
+                   partner, tracked.steps, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
 
 def _report_unsynced(tracked: _Tracked, name: str) -> None:
@@ -338,6 +373,45 @@ def _report_unsynced(tracked: _Tracked, name: str) -> None:
         logger.warning("%s", message)
 
 
+# -- torch's Join ----------------------------------------------------------------------------------------------
+# NOTE [Join ends a segment of step counts]
+# Invariant: under torch's Join a rank out of data stops stepping while its peers go on (DDP's join hook shadows
+# their collectives); after the Join their step counts differ for good, though their parameters agree again (the
+# hook broadcasts the last joiner's). Counting on would pair different steps: a wait for a step its partner takes
+# much later (a stall), or a comparison with parameters of another step (a false "drifted apart").
+# Rule: a rank entering Join's exit with its data done writes "left" for each watched DDP of that Join (a peer's
+# wait ends there: NOTE [A store wait has a partner that will come]). When the Join is over, on every rank, each of
+# its DDPs starts a new segment: the checks count from step 1 again, under the segment's keys, and the rank deletes
+# what it wrote in the old one (every peer is past it: Join's loop ends with an all-reduce every rank joined).
+# Test: tests/test_replica_check.py::test_join_then_steps_in_step_are_checked_again_and_a_drift_is_caught
+def _watched(join: Any) -> list[_Tracked]:
+    found = []
+    for joinable in getattr(join, "_joinables", ()):
+        tracked = _by_ddp.get(id(joinable))
+        if tracked is not None and tracked.ddp() is joinable:
+            found.append(tracked)
+    return found
+
+
+def _join_exit(original_exit):
+    def __exit__(self, exc_type, exc, traceback):
+        watched = _watched(self) if is_distributed() else []
+        shadows = exc_type is None and bool(getattr(self, "_enable", True))  # the loop of all-reduces runs
+        if shadows:
+            for tracked in watched:
+                replica_check.say_left(tracked)
+        over = False
+        try:
+            result = original_exit(self, exc_type, exc, traceback)
+            over = shadows
+            return result
+        finally:
+            for tracked in watched:
+                replica_check.new_segment(tracked, forget=over)
+
+    return __exit__
+
+
 # -- install / uninstall ---------------------------------------------------------------------------------------
 class _Handles:
     """The global optimizer step hooks as one removable handle for the registry (it also forgets the state)."""
@@ -352,6 +426,7 @@ class _Handles:
             handle.remove()
         _settings.active = False
         _owner.clear()
+        _by_ddp.clear()
         _written.clear()
         _nesting["depth"] = 0
 
@@ -377,6 +452,10 @@ def install(*, on_unsynced: str, replica_check_every: int) -> list[str]:
     _settings.active = True
     REGISTRY.add_handle(_Handles())
     installed = list(TARGETS)
+    from torch.distributed.algorithms.join import Join
+
+    REGISTRY.install(Join, "__exit__", _join_exit)  # NOTE [Join ends a segment of step counts]
+    installed.append("torch.distributed.algorithms.join.Join.__exit__")
     if not REGISTRY.is_patched(DDP, "__init__"):
         REGISTRY.install(DDP, "__init__", _tracking_init)
         installed.append("DistributedDataParallel.__init__")

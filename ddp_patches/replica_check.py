@@ -7,10 +7,10 @@ is the guard's record of one DDP. The check runs only where the DDP's communicat
 
 from __future__ import annotations
 
-import datetime
 import functools
 import logging
 import struct
+import time
 from typing import Any
 
 import torch
@@ -21,7 +21,11 @@ from .distributed import log_rank0_once
 logger = logging.getLogger("ddp_patches")
 
 DEFAULT_REPLICA_CHECK_EVERY = 100  # the cost at this interval: benchmarks/guard.py
-REPLICA_CHECK_TIMEOUT_S = 60.0  # how long a rank waits for rank 0's fingerprint before it skips the check
+# The longest a wait may last, once per segment: reached only where a partner breaks the pairing the waits rely on
+# (point 4 of NOTE [A store wait has a partner that will come])
+REPLICA_CHECK_TIMEOUT_S = 60.0
+SYNCED = b"synced"  # the gradient record of a rank whose step applies gradients DDP averaged (no fingerprint)
+_ABSENT = b"\x00ddp_patches: no such key"  # compare_set's answer for a key that is not there (no record looks so)
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -172,8 +176,134 @@ def rendezvous_store():
     return distributed_c10d._get_default_store()
 
 
-def _key(tracked: Any, step: int) -> str:
-    return f"{tracked.key_prefix}/{step}"
+# -- the store protocol of both checks ---------------------------------------------------------------------------
+def check_step(tracked: Any) -> int:
+    """This DDP's optimizer steps in its current segment: what both checks count and key by
+    (NOTE [Join ends a segment of step counts] in ddp_patches/guard.py)."""
+    return tracked.steps - tracked.segment_base
+
+
+def segment_key(tracked: Any, *parts: Any) -> str:
+    return "/".join([tracked.key_prefix, str(tracked.segment), *map(str, parts)])
+
+
+def count_step(tracked: Any) -> None:
+    """One more optimizer step of this DDP (the outermost only), and whether this rank may wait in the store at it
+    (NOTE [A store wait has a partner that will come])."""
+    tracked.steps += 1
+    tracked.anchored = tracked.synced_forwards != tracked.forwards_at_step
+    tracked.forwards_at_step = tracked.synced_forwards
+    tracked.synced_in_segment = tracked.synced_in_segment or tracked.anchored
+    tracked.may_wait = tracked.anchored or not tracked.synced_in_segment
+
+
+def gradients_due(tracked: Any, every: int) -> bool:
+    """The steps at which every rank writes its gradient record (NOTE [Confirmed before it speaks] in guard.py)."""
+    step = check_step(tracked)
+    return step <= 2 or step % (every or DEFAULT_REPLICA_CHECK_EVERY) == 0
+
+
+def write_record(store: Any, tracked: Any, key: str, value: bytes) -> None:
+    store.set(key, value)
+    tracked.records.append((check_step(tracked), key))
+
+
+def forget_records(store: Any, tracked: Any, before: int | None = None) -> None:
+    """Delete the records this rank wrote for ``tracked`` at steps before ``before`` (None: all of them). Only where
+    every reader is past them: at an anchored step, after this rank's fingerprint came to the host (the host copy
+    waits for the all-reduce every peer joined after reading them), or once a Join is over."""
+    keep = []
+    for step, key in tracked.records:
+        if before is not None and step >= before:
+            keep.append((step, key))
+            continue
+        try:
+            store.delete_key(key)
+        except (RuntimeError, AttributeError):  # a store without delete_key: the key stays (bytes per check)
+            pass
+    tracked.records = keep
+
+
+def say_left(tracked: Any) -> None:
+    """This rank steps no more in this segment (out of data under Join): its partners must not wait for it."""
+    try:
+        store = rendezvous_store()
+        write_record(store, tracked, segment_key(tracked, "left", dist.get_rank()), str(check_step(tracked)).encode())
+    except (RuntimeError, AttributeError, ValueError) as exc:
+        logger.debug("ddp_patches: %s: could not say in the store that this rank left (%s)", tracked.label, exc)
+
+
+def new_segment(tracked: Any, *, forget: bool) -> None:
+    """A Join this DDP took part in is over, on every rank: its checks count from step 1 again under new keys;
+    ``forget``: the Join's last all-reduce proved every peer past this rank's records, which are deleted."""
+    if forget and tracked.records:
+        try:
+            forget_records(rendezvous_store(), tracked)
+        except (RuntimeError, AttributeError, ValueError):
+            pass
+    tracked.records = []
+    tracked.segment += 1
+    tracked.segment_base = tracked.steps
+    tracked.forwards_at_step = tracked.synced_forwards
+    tracked.synced_in_segment = False
+    tracked.left = set()
+    tracked.unpaired = False
+
+
+# NOTE [A store wait has a partner that will come]
+# Invariant: a run that trains without the library never stalls in the store: no rank waits for a record that may
+# not come (a rank out of data under Join, one that warned already, one that took fewer steps); a comparison may be
+# missed instead. Rule: (1) every rank of a DDP's group checks at the same steps (1, 2, every Nth of a segment:
+# NOTE [Join ends a segment of step counts]) and writes its record at each whatever it found before (a warning
+# given, gradients found equal). (2) A rank that steps no more in a segment (out of data under Join) writes "left".
+# (3) A wait ends at the partner's record or its "left", and is made only where the partner's next move is one of
+# the two: this DDP synchronised a forward since this rank's previous step (the partner joined that backward, so it
+# goes on to this step or runs out of data under Join), or it synchronised none in this segment (a loss through
+# `.module`: only these checks pair the ranks). Otherwise a rank reads a record already there, or none. (4) A rank
+# that skips a step its peers take after a synchronised backward, or stops without Join in a loop of (3)'s second
+# kind, is not waited for longer than REPLICA_CHECK_TIMEOUT_S, once per segment, said in a WARNING.
+# Test: tests/test_replica_check.py::test_join_with_uneven_inputs_trains_as_without_the_library_with_no_wait
+def read_partner(store: Any, tracked: Any, key: str, partner: int, what: str,
+                 timeout_s: float | None = None) -> bytes | None:
+    """The partner's record under ``key``, or None where it is not compared
+    (NOTE [A store wait has a partner that will come])."""
+    if partner in tracked.left:
+        return None
+    theirs = _peek(store, key)
+    if theirs is not None:
+        return theirs
+    if not tracked.may_wait or tracked.unpaired:
+        logger.debug("ddp_patches: rank %d: %s before its optimizer step %d: rank %d's record is not there and "
+                     "nothing ties this step to it; not compared", dist.get_rank(), what, tracked.steps, partner)
+        return None
+    timeout = REPLICA_CHECK_TIMEOUT_S if timeout_s is None else timeout_s
+    left, deadline, pause = segment_key(tracked, "left", partner), time.monotonic() + timeout, 0.0002
+    while True:
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+        theirs = _peek(store, key)
+        if theirs is not None:
+            return theirs
+        if store.check([left]):
+            tracked.left.add(partner)  # out of data under Join: nothing more to compare in this segment
+            return None
+        if time.monotonic() > deadline:
+            break
+    tracked.unpaired = True
+    logger.warning(
+        "ddp_patches: rank %d: %s before its optimizer step %d skipped: rank %d did not reach this check within "
+        "%.0f s (it skipped an optimizer step the others took, or stopped without torch's Join, or it is stalled); "
+        "training goes on, and this rank waits no more for %s's checks until a Join starts its step counts over",
+        dist.get_rank(), what, tracked.steps, partner, timeout, tracked.label)
+    return None
+
+
+def _peek(store: Any, key: str) -> bytes | None:
+    """The value under ``key``, or None, without waiting: ``get`` waits for a missing key, and ``check`` then
+    ``get`` races with the writer deleting it (a blocked read); ``compare_set`` with an expected value no record
+    has returns the value, or that expected value where there is none, and changes nothing."""
+    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT else value
 
 
 # NOTE [Replica check without a collective]
@@ -182,60 +312,41 @@ def _key(tracked: Any, step: int) -> str:
 # would then be a mismatched one (under NCCL a hang, or a silent mix of two buffers), and one on a group of its own
 # would need that group created collectively first.
 # Rule: speak through the rendezvous store every process group already has. The DDP group's rank 0 writes its
-# fingerprint under a key named by the DDP's index and its step count, and never waits; every other rank waits for
-# that one key at most REPLICA_CHECK_TIMEOUT_S, compares, and a rank that differs logs the ERROR naming itself and
-# rank 0 (raises with on_unsynced="raise"). If rank 0 does not come, the others log one WARNING that the check was
-# skipped and train on.
+# fingerprint under a key named by the DDP, its segment and step count, and never waits; every other rank reads
+# that key (waiting only as NOTE [A store wait has a partner that will come] allows), compares, and a rank that
+# differs logs the ERROR naming itself and rank 0 (raises with on_unsynced="raise"). A check rank 0 does not
+# reach is skipped: at once where nothing ties this step to rank 0's, after REPLICA_CHECK_TIMEOUT_S otherwise.
 # Test: tests/test_guard.py::test_no_hang_when_one_rank_skips_the_check
 def check_replicas(tracked: Any, *, every: int = 1, on_divergence: str = "warn",
                    timeout_s: float | None = None) -> bool | None:
     """Compare this rank's fingerprint with its DDP group's rank 0; True: same, False: differs, None: skipped.
 
-    ``every``: the check interval (old store keys are dropped behind it); ``on_divergence``: "raise" raises
-    ReplicaDivergenceError, anything else logs one ERROR."""
-    mine = fingerprint(tracked.params)
-    key, me = _key(tracked, tracked.steps), dist.get_rank()
+    ``every``: the check interval (unused: records are deleted as NOTE [A store wait has a partner that will come]
+    allows); ``on_divergence``: "raise" raises ReplicaDivergenceError, anything else logs one ERROR."""
+    mine = fingerprint(tracked.params)  # on the host: after the all-reduce this step is anchored by, if any
+    step, me = check_step(tracked), dist.get_rank()
+    key = segment_key(tracked, step)
     try:
         store = rendezvous_store()
+        if tracked.anchored:
+            forget_records(store, tracked, before=step)
         if me == tracked.publisher:
-            store.set(key, mine.numpy().tobytes())
-            _drop_old_key(store, tracked, every)
+            write_record(store, tracked, key, mine.numpy().tobytes())
             return True
+        theirs = read_partner(store, tracked, key, tracked.publisher, f"replica check of {tracked.label}", timeout_s)
     except (RuntimeError, AttributeError, ValueError) as exc:  # no usable rendezvous store: never fail a step for it
         tracked.no_store = True
         log_rank0_once(f"guard-no-store-{tracked.index}", logging.WARNING,
                        "ddp_patches: replica check off for %s: the process group's rendezvous store is not usable "
                        "here (%s)", tracked.label, exc)
         return None
-    timeout = REPLICA_CHECK_TIMEOUT_S if timeout_s is None else timeout_s
-    try:
-        store.wait([key], datetime.timedelta(seconds=timeout))
-    except (RuntimeError, dist.DistStoreError) as exc:  # timed out (DistStoreError is a RuntimeError subclass)
-        logger.warning(
-            "ddp_patches: rank %d: replica check of %s before its optimizer step %d skipped: rank %d did not reach "
-            "this check within %.0f s (the ranks disagree about how many optimizer steps they took, or rank %d is "
-            "stalled); training goes on, the next check compares again (%s)",
-            me, tracked.label, tracked.steps, tracked.publisher, timeout, tracked.publisher,
-            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    if theirs is None:
         return None
-    try:
-        theirs = torch.frombuffer(bytearray(store.get(key)), dtype=torch.float64)
-    except RuntimeError:  # the key was there a moment ago; a store that lost it is no reason to stop training
-        return None
+    theirs = torch.frombuffer(bytearray(theirs), dtype=torch.float64)
     if theirs.numel() == mine.numel() and bytes(theirs.numpy().tobytes()) == bytes(mine.numpy().tobytes()):
         return True
     _report_divergence(tracked, mine, theirs, on_divergence)
     return False
-
-
-def _drop_old_key(store, tracked: Any, every: int) -> None:
-    """Rank 0 removes the key of the check before the previous one (every reader is long past it)."""
-    old = tracked.steps - 2 * (every or 1)
-    if old >= 1:
-        try:
-            store.delete_key(_key(tracked, old))
-        except (RuntimeError, AttributeError):  # a store without delete_key: the key stays (bytes per check)
-            pass
 
 
 def _report_divergence(tracked: Any, mine: torch.Tensor, theirs: torch.Tensor, on_divergence: str) -> None:

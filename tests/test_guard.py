@@ -507,9 +507,11 @@ def test_replica_check_raises_on_request(pool):
     assert rank0["error"] is None and rank1["error"] is not None and "'2.bias'" in rank1["error"]
 
 
-def replica_one_rank_skips(skipper: int, timeout_s: float = 2.0) -> dict:
+def replica_one_rank_skips(skipper: int, timeout_s: float = 2.0, after_backward: bool = False) -> dict:
     """Every step is checked; after two steps every rank but ``skipper`` takes one more optimizer step (its third
-    check), the skipper does not. Then one collective proves the group is still usable (no mismatched collective)."""
+    check), the skipper does not. With ``after_backward`` that step follows a synchronised forward and backward on
+    every rank (the skipper then drifts: its peers applied a step it did not), and one more step on every rank
+    follows. Then one collective proves the group is still usable (no mismatched collective)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -523,8 +525,14 @@ def replica_one_rank_skips(skipper: int, timeout_s: float = 2.0) -> dict:
                 opt.step()
                 opt.zero_grad()
             start = time.perf_counter()
+            if after_backward:
+                ddp(_batch(rank, 2)).pow(2).mean().backward()
             if rank != skipper:
-                opt.step()  # no gradients: the parameters stay as they are, but it is an optimizer step
+                opt.step()  # without a backward: no gradients, the parameters stay as they are, but it is a step
+            opt.zero_grad()
+            if after_backward:  # one more on every rank: the step counts now differ by one
+                ddp(_batch(rank, 3)).pow(2).mean().backward()
+                opt.step()
             elapsed = time.perf_counter() - start
             in_sync = _in_sync(ddp.module)
     finally:
@@ -532,14 +540,18 @@ def replica_one_rank_skips(skipper: int, timeout_s: float = 2.0) -> dict:
     return {"elapsed": elapsed, "skipped": cap.lines(SKIPPED), "all": cap.records, "in_sync": in_sync}
 
 
-@pytest.mark.parametrize("skipper", [0, 1])
-def test_no_hang_when_one_rank_skips_the_check(pool, skipper):
-    results = pool.run(replica_one_rank_skips, skipper=skipper, timeout=60)
-    assert all(r["in_sync"] for r in results)  # and both ranks got there: no hang, the group still works
-    if skipper == 1:  # only rank 0 reaches the check: it publishes and goes on
-        assert results[0]["elapsed"] < 1.0 and results[0]["all"] == [] and results[1]["all"] == []
-    else:  # rank 0 never publishes: rank 1 waits out its timeout, says so once, and trains on
-        assert 1.5 < results[1]["elapsed"] < 10 and len(results[1]["skipped"]) == 1, results[1]["all"]
+@pytest.mark.parametrize("skipper,after_backward", [(0, False), (1, False), (0, True)],
+                         ids=["rank-0-skips", "rank-1-skips", "rank-0-skips-after-a-synchronised-backward"])
+def test_no_hang_when_one_rank_skips_the_check(pool, skipper, after_backward):
+    results = pool.run(replica_one_rank_skips, skipper=skipper, after_backward=after_backward, timeout=60)
+    # Both ranks got to the collective at the end: no hang, the group still works
+    assert all(r["in_sync"] != after_backward for r in results)
+    if not after_backward:
+        # Only rank 1 reaches the check: nothing ties its step to rank 0's (no synchronised forward since its previous
+        # step), so it compares nothing, at once; it used to wait out the timeout. Only rank 0 does: it publishes.
+        assert all(r["elapsed"] < 1.0 and r["all"] == [] for r in results), results
+    else:  # rank 1's step follows a synchronised backward: it waits out its timeout once, says so, and trains on
+        assert 1.5 < results[1]["elapsed"] < 4 and len(results[1]["skipped"]) == 1, results[1]["all"]
         assert "did not reach this check" in results[1]["skipped"][0][2] and results[0]["all"] == []
 
 
@@ -807,3 +819,60 @@ def test_hand_averaging_left_out_later_is_reported(pool):
     for rank, r in enumerate(pool.run(hand_averaged, on_unsynced="warn", steps=4, drop_average_at=2)):
         assert [s for s, _, _ in r["unsynced"]] == [2] and f"rank {rank}:" in r["unsynced"][0][2], r["all"]
         assert not r["in_sync"]
+
+
+# -- three ranks: the store waits of the unsynchronised-gradient guard have a partner that will come -----------------
+@pytest.fixture(scope="module")
+def pool3():
+    """Three gloo ranks (rank 0 compares gradients with rank 1, rank 2 with rank 0), for this module's tests."""
+    from tests.harness import DistPool
+
+    p = DistPool(world_size=3)
+    yield p
+    p.close()
+
+
+def module_loss_two_equal(library: bool, steps: int = 3, timeout_s: float = 5.0) -> dict:
+    """A loss through ``.module`` on 3 ranks where ranks 0 and 2 see the same batches: their gradients are equal,
+    rank 1's differ. Rank 0 and rank 1 warn at the first step; rank 2 (equal to rank 0) stays silent and checks
+    again before step 2. What was logged, and how long the loop took."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    data = 0 if rank == 2 else rank
+    old, replica_check.REPLICA_CHECK_TIMEOUT_S = replica_check.REPLICA_CHECK_TIMEOUT_S, timeout_s
+    try:
+        with (ddp_patches.patched(on_unsynced="warn") if library else contextlib.nullcontext()), _Capture() as cap:
+            torch.manual_seed(0)
+            ddp = _ddp(_mlp())
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            start = time.perf_counter()
+            for it in range(steps):
+                cap.step = it + 1
+                ddp.module(_batch(data, it)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            elapsed = time.perf_counter() - start
+            in_sync = _in_sync(ddp.module)
+    finally:
+        replica_check.REPLICA_CHECK_TIMEOUT_S = old
+    return {"elapsed": elapsed, "all": cap.records, "unsynced": cap.lines(UNSYNCED), "diverged": cap.lines(DIVERGED),
+            "in_sync": in_sync}
+
+
+def test_three_ranks_two_with_equal_gradients_do_not_wait_for_a_rank_that_warned(pool3):
+    """Unpatched: trains (drifting: rank 1 differs), about 0.01 s on 3 CPU ranks. Patched, before the store waits
+    had a rule: rank 0 stopped writing its gradients once it had warned, and rank 2 waited for them before step 2
+    until the timeout (5 s here, 60 s by default)."""
+    unpatched = pool3.run(module_loss_two_equal, library=False, timeout=60)
+    assert all(r["all"] == [] and not r["in_sync"] for r in unpatched)
+    assert max(r["elapsed"] for r in unpatched) < 2.0, [r["elapsed"] for r in unpatched]
+    rank0, rank1, rank2 = pool3.run(module_loss_two_equal, library=True, timeout=60)
+    for rank, r in ((0, rank0), (1, rank1)):
+        assert [s for s, _, _ in r["unsynced"]] == [1] and f"rank {rank}:" in r["unsynced"][0][2], r["all"]
+    assert rank2["all"] == [], rank2["all"]  # equal to rank 0: nothing to say, and no skipped comparison
+    assert [s for s, _, _ in rank1["diverged"]] == [2]  # the replica check before step 2 sees rank 1's drift
+    assert rank0["all"] == rank0["unsynced"]
+    assert max(r["elapsed"] for r in (rank0, rank1, rank2)) < 2.0, [r["elapsed"] for r in (rank0, rank1, rank2)]

@@ -174,3 +174,88 @@ def test_a_real_drift_under_a_vouched_hook_is_still_caught(pool, hook):
     step, level, message = rank1["diverged"][0]
     assert level == "ERROR" and "'2.bias'" in message and not rank1["in_sync"]
     assert not any(ASIDE in m for _, _, m in rank1["all"] + rank0["all"])
+
+
+# -- uneven inputs under torch's Join: the store waits have a partner that will come, or are not made ----------------
+def join_uneven(library: bool, batches: tuple[int, ...] = (1, 3), every: int | None = None, after: int = 0,
+                perturb_after: int | None = None, through_module: bool = False, timeout_s: float = 5.0) -> dict:
+    """``with Join([ddp])`` over uneven inputs (rank r has ``batches[r]``), then ``after`` steps in step on every
+    rank; with ``perturb_after``, rank 1 adds 1e-4 to one element of ``2.bias`` before that step after the Join.
+    ``through_module``: the loss inside the Join goes through ``ddp.module`` (no DDP collective at all).
+    ``library``: apply() with ``replica_check_every=every`` (None: the default), or nothing at all. How long it
+    took, what the library logged, and whether the ranks ended in sync."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+
+    rank = dist.get_rank()
+    options = {} if every is None else {"replica_check_every": every}
+    old, replica_check.REPLICA_CHECK_TIMEOUT_S = replica_check.REPLICA_CHECK_TIMEOUT_S, timeout_s
+    try:
+        with (ddp_patches.patched(**options) if library else contextlib.nullcontext()), _Capture() as cap:
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            start = time.perf_counter()
+            with Join([ddp]):
+                for it in range(batches[rank]):
+                    cap.step = it + 1
+                    (ddp.module if through_module else ddp)(_batch(rank, it)).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            joined_in_sync = _in_sync(ddp.module)  # DDP's join hook broadcast the last joiner's parameters
+            for it in range(after):
+                cap.step = 100 + it + 1  # 101, 102, ...: the steps after the Join
+                ddp(_batch(rank, 10 + it)).pow(2).mean().backward()
+                if it + 1 == perturb_after and rank == 1:
+                    with torch.no_grad():
+                        ddp.module[2].bias[0] += 1e-4
+                opt.step()
+                opt.zero_grad()
+            elapsed = time.perf_counter() - start
+            in_sync = _in_sync(ddp.module)
+    finally:
+        replica_check.REPLICA_CHECK_TIMEOUT_S = old
+    return {"elapsed": elapsed, "all": cap.records, "diverged": cap.lines(DIVERGED), "in_sync": in_sync,
+            "joined_in_sync": joined_in_sync, "unsynced": cap.lines("never averaged")}
+
+
+def test_join_with_uneven_inputs_trains_as_without_the_library_with_no_wait(pool):
+    """torch's Join: rank 0 runs out of data after one step and shadows rank 1's collectives, so it never reaches the
+    check before rank 1's step 2. Unpatched: trains, in sync, about 0.1 s on 2 CPU ranks. Patched, before the
+    store waits had a rule: rank 1 waited for rank 0's fingerprint until the timeout (5 s here, 60 s by default)."""
+    unpatched = pool.run(join_uneven, library=False, timeout=60)
+    assert all(r["in_sync"] and r["all"] == [] for r in unpatched)
+    assert max(r["elapsed"] for r in unpatched) < 2.0, unpatched
+    patched = pool.run(join_uneven, library=True, timeout=60)
+    for r in patched:
+        assert r["in_sync"] and r["all"] == [], r["all"]
+        assert r["elapsed"] < 2.0, [p["elapsed"] for p in patched]  # well under the 5 s timeout: no wait
+
+
+def test_join_then_steps_in_step_are_checked_again_and_a_drift_is_caught(pool):
+    """A check before every step, uneven inputs under Join (rank 0: 2 steps, rank 1: 5), then 3 steps in step: the
+    ranks' step counts now differ by 3. No wait, no false alarm (the counts start over after the Join), and a
+    parameter changed on rank 1 after the Join is reported at that step. Unpatched: trains, about 0.1 s, and the
+    changed parameter goes unnoticed."""
+    kwargs = {"batches": (2, 5), "after": 3, "perturb_after": 2}
+    unpatched = pool.run(join_uneven, library=False, **kwargs, timeout=60)
+    assert all(r["joined_in_sync"] and not r["in_sync"] and r["all"] == [] for r in unpatched)
+    rank0, rank1 = pool.run(join_uneven, library=True, every=1, **kwargs, timeout=60)
+    assert rank0["all"] == [] and rank0["joined_in_sync"] and rank1["joined_in_sync"]
+    assert [s for s, _, _ in rank1["diverged"]] == [102, 103], rank1["all"]  # at once, and at the next check
+    assert [level for _, level, _ in rank1["all"]] == ["ERROR", "ERROR"], rank1["all"]
+    assert max(rank0["elapsed"], rank1["elapsed"]) < 2.0, (rank0["elapsed"], rank1["elapsed"])
+
+
+def test_join_with_a_loss_through_module_waits_for_nothing(pool):
+    """Under Join with the loss through ``.module`` nothing ties the ranks' steps together (no DDP collective), and a
+    rank out of data may be gone at any time: inside a Join such a step compares only what is already there. The
+    guard still warns at the first step, on both ranks. Unpatched: trains (drifting), about 0.01 s; before the rule,
+    rank 1 waited for rank 0's fingerprint before its step 2 until the timeout."""
+    unpatched = pool.run(join_uneven, library=False, through_module=True, timeout=60)
+    assert all(r["all"] == [] and r["elapsed"] < 2.0 for r in unpatched), unpatched
+    for r in pool.run(join_uneven, library=True, every=1, through_module=True, timeout=60):
+        assert [s for s, _, _ in r["unsynced"]] == [1] and r["all"] == r["unsynced"], r["all"]
+        assert r["elapsed"] < 2.0, r["elapsed"]
