@@ -167,6 +167,8 @@ def fingerprint(params: list[torch.Tensor]) -> torch.Tensor:
         for p in params:
             values.append(p.detach().sum(dtype=torch.float64))
             values.append(torch.linalg.vector_norm(p.detach(), dtype=torch.float64))
+        if not values:  # nothing to fingerprint (no gradient at this step): an empty record, equal to any other
+            return torch.zeros(0, dtype=torch.float64)
         return torch.stack(values).cpu()
 
 

@@ -259,3 +259,13 @@ def test_join_with_a_loss_through_module_waits_for_nothing(pool):
     for r in pool.run(join_uneven, library=True, every=1, through_module=True, timeout=60):
         assert [s for s, _, _ in r["unsynced"]] == [1] and r["all"] == r["unsynced"], r["all"]
         assert r["elapsed"] < 2.0, r["elapsed"]
+
+
+def test_a_fingerprint_of_no_tensor_is_empty_not_an_error():
+    """A step where none of a DDP's parameters has a gradient (all of them substituted by ``functional_call``, or
+    zeroed after the backward) fingerprints nothing: before, ``torch.stack`` of no tensor raised in the optimizer
+    step's pre-hook."""
+    from ddp_patches.replica_check import fingerprint
+
+    assert fingerprint([]).numel() == 0
+    assert fingerprint([torch.ones(2)]).tolist() == [2.0, 2.0 ** 0.5]
