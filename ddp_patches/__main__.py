@@ -14,12 +14,7 @@ import json
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["validate"]:  # its own parser: every option after the word is the harness's
-        from .verify.validate import main as validate
-
-        return validate(argv[1:], prog="python -m ddp_patches validate")
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddp_patches")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("validate", help="run every scenario unpatched and patched on 2 ranks (--help for options)")
@@ -32,26 +27,46 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--lora-r", type=int, default=16, help="LoRA rank on every linear layer (default 16)")
     plan.add_argument("--seq", type=int, help="also say whether this many tokens fit, per setup")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    args = parser.parse_args(argv)
-    if args.command == "plan":
-        from . import plan as planner
+    return parser
 
-        try:
-            planner.parse_bytes(args.gpu_memory)
-        except ValueError as e:
-            parser.error(f"--gpu-memory: {e}")
-        if args.lora_r < 1 or (args.seq is not None and args.seq < 1):
-            parser.error(f"--lora-r and --seq expect a number >= 1; found {args.lora_r} and {args.seq}")
-        try:
-            return planner.main(args)
-        except (ValueError, FileNotFoundError, ImportError) as e:  # a config or a budget it cannot plan for
-            parser.error(str(e))
 
-    from .doctor import diagnose
+def _one_line(error: BaseException) -> str:
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
 
+
+def _plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import plan as planner
+
+    try:
+        planner.check_arguments(args)
+        return planner.main(args)
+    except (ValueError, OSError, ImportError) as e:  # a flag, a config or a budget it cannot plan for
+        parser.error(_one_line(e))
+
+
+def _doctor(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .doctor import check_launch_environment, diagnose
+
+    try:
+        check_launch_environment()
+    except ValueError as e:
+        parser.error(_one_line(e))
     diagnosis = diagnose(tiled_mlp=args.tiled_mlp)
     sys.stdout.write((json.dumps(diagnosis.as_dict(), indent=2) if args.json else str(diagnosis)) + "\n")
     return 1 if any(f.severity == "error" for f in diagnosis.findings) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validate"]:  # its own parser: every option after the word is the harness's
+        from .verify.validate import main as validate
+
+        return validate(argv[1:], prog="python -m ddp_patches validate")
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(parser, args)
+    return _doctor(parser, args)
 
 
 if __name__ == "__main__":

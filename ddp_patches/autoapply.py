@@ -50,18 +50,22 @@ def _offload(text: str) -> bool | str:
         raise ValueError("expected auto, true or false") from None
 
 
-def _count(text: str) -> int:
-    value = int(text.strip())
-    if value < 0:
-        raise ValueError("expected a number >= 0")
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number >= {least}") from None
+    if value < least:
+        raise ValueError(f"expected a number >= {least}")
     return value
+
+
+def _count(text: str) -> int:
+    return _whole(text, 0)
 
 
 def _at_least_one(text: str) -> int:
-    value = int(text.strip())
-    if value < 1:
-        raise ValueError("expected a number >= 1")
-    return value
+    return _whole(text, 1)
 
 
 def _count_or_auto(text: str) -> int | None:
@@ -305,6 +309,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _not_a_command(name: str) -> str:
+    if os.path.isdir(name):
+        return "a directory"
+    if os.path.exists(name):
+        return "a file that is not executable"
+    return "no such command on PATH"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -334,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
 
     executable = shutil.which(command[0])
     if executable is None:
-        parser.error(f"command not found: {command[0]!r}")
+        parser.error(f"expected a command to run (e.g. torchrun); found {_not_a_command(command[0])}: "
+                     f"{command[0]!r}")
     os.execve(executable, command, environment(options, args.log_level))
     return 0  # not reached
 

@@ -61,7 +61,24 @@ def rank() -> int:
     """This process's rank; before the process group exists (apply() time), the launcher's RANK variable."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    return env_int("RANK", 0)
+
+
+def env_int(name: str, default: int, minimum: int | None = None, environ=None) -> int:
+    """A launcher's integer variable (RANK, WORLD_SIZE, ...): ``default`` when unset or empty; a ValueError naming
+    the variable when it is not a whole number, or is below ``minimum``."""
+    text = (os.environ if environ is None else environ).get(name, "")
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"expected {name} to be a whole number{bound}, as torchrun sets it; found {name}={text!r}: "
+                         "unset it or correct it")
+    return value
 
 
 def log_rank0_once(key: str, level: int, msg: str, *args: object) -> None:

@@ -7,7 +7,6 @@ looks at the environment only. Each finding names the setting, the error it lead
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from . import api, checkpointing, engines, versions
+from .distributed import env_int
 
 _PACKAGES = ("torch", "transformers", "peft", "trl", "accelerate", "bitsandbytes")
 _TOWER = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|image_encoder)(\.|$)")
@@ -65,6 +65,16 @@ class Diagnosis:
         return "\n".join(lines)
 
 
+LAUNCH_VARIABLES = {"WORLD_SIZE": 1, "RANK": 0, "LOCAL_WORLD_SIZE": 1, "LOCAL_RANK": 0}  # name -> least value
+
+
+def check_launch_environment(environ: dict | None = None) -> None:
+    """The launcher's variables are whole numbers where set (torch.distributed and the Trainer refuse anything
+    else); a ValueError naming the first that is not."""
+    for name, least in LAUNCH_VARIABLES.items():
+        env_int(name, least, minimum=least, environ=environ)
+
+
 def installed_versions() -> dict:
     found = {}
     for name in _PACKAGES:
@@ -104,7 +114,7 @@ def would_change(tiled_mlp: bool = False, offload: bool = False) -> list[str]:
 
 def diagnose(model: Any = None, args: Any = None, *, tiled_mlp: bool = False) -> Diagnosis:
     """Findings for ``model`` (optional) trained with ``args`` (TrainingArguments/SFTConfig, optional)."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    world = env_int("WORLD_SIZE", 1, minimum=1)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
     found = installed_versions()

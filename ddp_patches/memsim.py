@@ -134,27 +134,106 @@ class Step:
 
 
 def _config(config):
-    from transformers import AutoConfig, PretrainedConfig
+    """A transformers config from a PretrainedConfig, a dict with its model_type, a config.json or a model folder;
+    a clear ValueError (or FileNotFoundError) for anything else, before any model is built."""
+    config = _load_config(config)
+    _check_sizes(_text_config(config))
+    return config
+
+
+def _load_config(config):
+    from transformers import PretrainedConfig
 
     if isinstance(config, PretrainedConfig):
         return config
     if isinstance(config, dict):
-        data = dict(config)
-        if "model_type" not in data:
-            raise ValueError("ddp_patches.memsim: a config dict needs its model_type (e.g. 'llama'); found keys "
-                             f"{sorted(data)[:8]}")
-        return AutoConfig.for_model(data.pop("model_type"), **data)
-    import json
+        return _from_dict(config)
     import os
 
     path = os.fspath(config)
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return _config(json.load(f))
+        return _from_dict(_read_json(path))
     if os.path.isdir(path):
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return _from_folder(path)
     raise FileNotFoundError(f"ddp_patches.memsim: expected a local config.json or a model folder holding one; found "
                             f"no such path: {path!r} (nothing is downloaded: save the model's config.json first)")
+
+
+def _read_json(path: str) -> dict:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (ValueError, OSError) as e:  # not JSON, not UTF-8, not readable
+        raise ValueError(f"ddp_patches.memsim: expected {path!r} to be a model's config.json (a JSON object); "
+                         f"could not read it ({_first_line(e)}): pass the config.json of a causal LM") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"ddp_patches.memsim: expected {path!r} to hold a JSON object with a model_type; found a "
+                         f"JSON {type(data).__name__}: pass the config.json of a causal LM")
+    return data
+
+
+def _from_dict(config: dict):
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    data = dict(config)
+    if "model_type" not in data:
+        raise ValueError("ddp_patches.memsim: a config dict needs its model_type (e.g. 'llama'); found keys "
+                         f"{sorted(data)[:8]}")
+    model_type = data.pop("model_type")
+    _check_sizes(SimpleNamespace(**{k: v for k, v in data.items() if k in SIZES}))  # before transformers divides
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(f"ddp_patches.memsim: expected a model_type this transformers knows (e.g. 'llama', "
+                         f"'qwen2'); found {model_type!r}: check its spelling, or upgrade transformers")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except Exception as e:  # noqa: BLE001 -- any refusal of the values (transformers' strict fields raise their own)
+        raise ValueError(f"ddp_patches.memsim: the {model_type} config is not one transformers accepts "
+                         f"({_first_line(e)}): pass the model's own config.json") from None
+
+
+def _from_folder(path: str):
+    import os
+
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"ddp_patches.memsim: expected a model folder holding a config.json; found none in "
+                                f"{path!r} (nothing is downloaded: save the model's config.json there first)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"ddp_patches.memsim: the config.json in {path!r} is not one transformers reads "
+                         f"({_first_line(e)}): pass the model's own config.json") from None
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message on one line: its first lines joined, at most 200 characters."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return " ".join(lines[:2])[:200] or type(error).__name__
+
+
+SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+         "vocab_size", "head_dim")  # each, where a config sets it, a count of at least 1
+
+
+def _check_sizes(text) -> None:
+    """A size of 0 or less, or a head width of 0 (hidden_size < num_attention_heads without head_dim), fails
+    deep inside the model's constructor: refused here, naming the field."""
+    for name in SIZES:
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"ddp_patches.memsim: expected {name} >= 1 in the config; found {value}: pass the "
+                             "model's own config.json")
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    if getattr(text, "head_dim", None) is None and isinstance(hidden, int) and isinstance(heads, int) \
+            and hidden < heads:
+        raise ValueError(f"ddp_patches.memsim: expected hidden_size >= num_attention_heads (a head width of at "
+                         f"least 1); found {hidden} and {heads}: pass the model's own config.json")
 
 
 def _text_config(config):
@@ -201,6 +280,7 @@ def build(config, *, layers: int, lora_r: int, dtype=torch.bfloat16):
         raise ValueError(f"ddp_patches.memsim: expected the config of a causal LM that runs SDPA; "
                          f"{config.model_type} does not build as one ({str(e).splitlines()[0][:200]}). For a VLM, "
                          "pass its language model's config (text_config with its own model_type)") from None
+    _check_decoder(model, config.model_type)
     model.config.use_cache = False
     model.gradient_checkpointing_enable({"use_reentrant": False})
     model.enable_input_require_grads()
@@ -209,6 +289,16 @@ def build(config, *, layers: int, lora_r: int, dtype=torch.bfloat16):
     model = get_peft_model(model, lora)
     model.train()
     return model
+
+
+def _check_decoder(model, model_type: str) -> None:
+    """An encoder's config (BERT, RoBERTa) builds as a "causal LM" whose self-attention is bidirectional: refused,
+    as every attention module that says whether it is causal says it is not."""
+    causal = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    if causal and not any(causal):
+        raise ValueError(f"ddp_patches.memsim: expected the config of a decoder (a causal LM such as llama, qwen2 or "
+                         f"mistral); found {model_type}, whose self-attention is bidirectional (an encoder): pass a "
+                         "decoder's config.json")
 
 
 def _materialise(model) -> None:

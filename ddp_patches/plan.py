@@ -39,17 +39,34 @@ SETUPS = (
           "apply(tiled_mlp=True, offload=True), transformers' Trainer"),
 )
 PATCHED = SETUPS[4].name
+MOST_TOKENS = 1 << 24  # the longest sequence the planner searches or checks (16M tokens)
+MOST_BYTES = 1 << 50  # the largest --gpu-memory taken (1 PiB): beyond any GPU
 
 
 def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80GB``, ``81920MiB`` or a number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    """``80GiB``, ``80GB``, ``81920MiB`` or a number of bytes, at most ``MOST_BYTES``."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
     if not match:
         raise ValueError(f"expected a size such as 80GiB, 80GB or 85899345920; found {text!r}")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
              "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}[unit]
+    if number * scale > MOST_BYTES:
+        raise ValueError(f"expected a GPU's memory, at most 1 PiB; found {text!r}")
     return int(number * scale)
+
+
+def check_arguments(args) -> None:
+    """The command line's values, before any config is read; a ValueError naming the flag."""
+    try:
+        parse_bytes(args.gpu_memory)
+    except ValueError as e:
+        raise ValueError(f"--gpu-memory: {e}") from None
+    if args.lora_r < 1:
+        raise ValueError(f"--lora-r expects a number >= 1; found {args.lora_r}")
+    if args.seq is not None and not 1 <= args.seq <= MOST_TOKENS:
+        raise ValueError(f"--seq expects a number of tokens from 1 to {MOST_TOKENS} (2^24, the longest the planner "
+                         f"searches); found {args.seq}")
 
 
 def usable(budget: int) -> int:
@@ -68,7 +85,7 @@ def limit_of(step: memsim.Step) -> str:
 
 
 def longest(config, features: memsim.Features, budget: int, *, lora_r: int = 16, resolution: int = 1024,
-            first: int = 16384, most: int = 1 << 24) -> tuple[int, memsim.Step | None]:
+            first: int = 16384, most: int = MOST_TOKENS) -> tuple[int, memsim.Step | None]:
     """The longest multiple of ``resolution`` (to 1/64 of it) whose step fits ``usable(budget)``; (0, None) if
     none does.
 
@@ -79,7 +96,7 @@ def longest(config, features: memsim.Features, budget: int, *, lora_r: int = 16,
     cap = usable(budget)
 
     def device(n: int) -> memsim.Step:
-        return memsim.simulate(config, n, features, lora_r=lora_r)
+        return simulate(config, n, features, lora_r=lora_r)
 
     lo, lo_step, hi, hi_bytes = 0, None, None, None
     n = first
@@ -120,14 +137,34 @@ def longest(config, features: memsim.Features, budget: int, *, lora_r: int = 16,
     return lo, lo_step
 
 
-def plan(config, *, budget: int, lora_r: int = 16, seq: int | None = None) -> dict:
-    config = memsim._config(config)
-    text = memsim._text_config(config)
-    rows = []
+def simulate(config, seq: int, features: memsim.Features, *, lora_r: int) -> memsim.Step:
+    """``memsim.simulate``; a config that transformers builds but cannot run at ``seq`` tokens (an encoder set up as
+    a decoder with 512 positions, a shape its layers refuse) is a ValueError on one line, not a traceback."""
+    try:
+        return memsim.simulate(config, seq, features, lora_r=lora_r)
+    except (RuntimeError, ArithmeticError, LookupError, TypeError, AttributeError) as e:
+        model_type = getattr(config, "model_type", "the model")
+        raise ValueError(f"ddp_patches plan: a step of {model_type} at {seq:,} tokens failed in the "
+                         f"simulation ({type(e).__name__}: {memsim._first_line(e)}): expected the config of a "
+                         "decoder-only causal LM that runs at this length (e.g. llama, qwen2, mistral)") from None
+
+
+def _check_plan(text, budget: int, lora_r: int) -> None:
     if usable(budget) <= 0:
         raise ValueError(f"--gpu-memory {budget / GiB:.1f} GiB leaves nothing for a step once "
                          f"{RESERVE_FRACTION:.0%} and {RESERVE_BYTES / GiB:.0f} GiB are kept for the allocator and "
                          "the CUDA context: expected more than 1.1 GiB")
+    hidden = getattr(text, "hidden_size", None)
+    if isinstance(hidden, int) and lora_r > hidden:
+        raise ValueError(f"--lora-r expects at most the model's hidden size ({hidden}: a higher rank adds nothing); "
+                         f"found {lora_r}")
+
+
+def plan(config, *, budget: int, lora_r: int = 16, seq: int | None = None) -> dict:
+    config = memsim._config(config)
+    text = memsim._text_config(config)
+    rows = []
+    _check_plan(text, budget, lora_r)
     for setup in SETUPS:
         if setup.features.fused_head and not memsim.fused_head_available():
             rows.append({"setup": setup.name, "longest": None, "how": setup.how, "at_longest": None,
@@ -138,7 +175,7 @@ def plan(config, *, budget: int, lora_r: int = 16, seq: int | None = None) -> di
                "limit": limit_of(step) if step else "frozen weights and LoRA state alone",
                "at_longest": step.as_dict() if step else None}
         if seq:
-            at = memsim.simulate(config, seq, setup.features, lora_r=lora_r)
+            at = simulate(config, seq, setup.features, lora_r=lora_r)
             row["fits_seq"] = at.device <= usable(budget)
             row["at_seq"] = at.as_dict()
         rows.append(row)

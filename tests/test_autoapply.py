@@ -55,6 +55,22 @@ def test_cli_rejects_bad_input_before_running_anything():
     assert missing.returncode == 2 and "no command given" in missing.stderr
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["--offload-min-bytes", "lots", "true"], "--offload-min-bytes='lots' is not valid: expected a whole number >= 0"),
+    (["--replica-check-every", "1.5", "true"], "--replica-check-every='1.5' is not valid: expected a whole number"),
+    (["--offload-prefetch-depth", "x", "true"], "--offload-prefetch-depth='x' is not valid: expected a whole number"),
+    ([ROOT], "expected a command to run (e.g. torchrun); found a directory"),
+    ([os.path.join(ROOT, "pyproject.toml")], "found a file that is not executable"),
+], ids=["bytes-word", "every-fraction", "depth-word", "directory", "not-executable"])
+def test_cli_answers_bad_values_in_one_line(args, expected):
+    """A value that is not a whole number says what was expected (not int()'s "invalid literal"), and a command
+    that is a directory or a plain file says which, in one error line with argparse's exit status."""
+    out = run([sys.executable, "-m", "ddp_patches.autoapply", *args])
+    errors = [line for line in out.stderr.splitlines() if ": error: " in line]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert len(errors) == 1 and expected in errors[0] and errors[0] == out.stderr.strip().splitlines()[-1], out.stderr
+
+
 def test_applies_after_torch_is_imported_with_the_options():
     out = run([sys.executable, "-m", "ddp_patches.autoapply", "--offload", "false", "--log-level", "INFO",
                sys.executable, "-c", PROBE])

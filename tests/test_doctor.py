@@ -134,3 +134,38 @@ def test_a_zero2_config_is_named_and_what_acts(tmp_path):
     args = training_args(tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
     finding = next(f for f in diagnose(None, args).findings if f.code == "deepspeed-zero12")
     assert "already been reduced" in finding.failure and "act under ZeRO-1/2" in finding.fix
+
+
+def _one_clear_line(code, stderr: str, expected: str) -> None:
+    """A usage error as argparse gives it: exit 2, no traceback, one error line that says ``expected``."""
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert len(errors) == 1 and errors[0] == stderr.strip().splitlines()[-1] and expected in errors[0], stderr
+
+
+@pytest.mark.parametrize("variable,value", [("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"), ("RANK", "abc"),
+                                            ("RANK", "-1"), ("LOCAL_WORLD_SIZE", "two"), ("LOCAL_RANK", "1.5")])
+def test_command_line_names_a_bad_launch_variable(monkeypatch, capsys, variable, value):
+    """A launcher variable that is not a whole number in range is one line naming it, not a traceback (WORLD_SIZE)
+    nor a report that reads it as fine (the others, and a world of 0)."""
+    from ddp_patches.__main__ import main
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit:
+        main(["doctor"])
+    _one_clear_line(exit.value.code, capsys.readouterr().err, f"expected {variable} to be a whole number")
+
+
+def test_command_with_a_bad_world_size_is_one_line():
+    """The same through ``python -m ddp_patches doctor``, the process a user runs."""
+    import os
+
+    out = subprocess.run([sys.executable, "-m", "ddp_patches", "doctor"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "WORLD_SIZE": "abc"})
+    _one_clear_line(out.returncode, out.stderr, "found WORLD_SIZE='abc'")
+
+
+def test_diagnose_names_a_bad_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(ValueError, match="expected WORLD_SIZE to be a whole number >= 1"):
+        diagnose()

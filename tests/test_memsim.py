@@ -126,9 +126,74 @@ def test_plan_cli_rejects_bad_input(tmp_path):
     small = _plan_cli("--config", _tiny(tmp_path), "--gpu-memory", "1GiB")
     assert small.returncode == 2 and "leaves nothing for a step" in small.stderr
     rank = _plan_cli("--config", _tiny(tmp_path), "--lora-r", "0")
-    assert rank.returncode == 2 and "expect a number >= 1" in rank.stderr
+    assert rank.returncode == 2 and "--lora-r expects a number >= 1" in rank.stderr
     missing = _plan_cli("--config", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "expected a local config.json or a model folder" in missing.stderr
+
+
+def _one_clear_line(code, stderr: str, expected: str) -> None:
+    """A usage error as argparse gives it: exit 2, no traceback, one error line that says ``expected``."""
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert code == 2 and "Traceback" not in stderr, stderr[-3000:]
+    assert len(errors) == 1 and errors[0] == stderr.strip().splitlines()[-1] and expected in errors[0], stderr
+
+
+def _write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BERT = {"model_type": "bert", "vocab_size": 1024, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "intermediate_size": 128}
+
+
+@pytest.mark.parametrize("case", ["bert", "not-json", "a-json-list", "hidden-0", "layers-0", "heads-0", "folder",
+                                  "seq-0", "seq-absurd", "gpu-memory-0", "gpu-memory-absurd", "lora-r-absurd"])
+def test_plan_answers_bad_input_in_one_line(tmp_path, capsys, case):
+    """Each is refused before any long simulation, with what was expected and what was found, not a traceback:
+    an encoder's config (BERT builds as a "causal LM" whose attention is bidirectional), a config.json that is not
+    JSON or not an object, a size of 0, a folder without config.json, and flags out of range."""
+    from ddp_patches.__main__ import main
+
+    tiny = _tiny(tmp_path)
+    sized = {"hidden-0": "hidden_size", "layers-0": "num_hidden_layers", "heads-0": "num_attention_heads"}
+    args, expected = {
+        "bert": (["--config", _write(tmp_path, "bert.json", json.dumps(BERT))], "expected the config of a decoder"),
+        "not-json": (["--config", _write(tmp_path, "c.json", "model_type: llama")], "a model's config.json (a JSON"),
+        "a-json-list": (["--config", _write(tmp_path, "list.json", "[1, 2]")], "found a JSON list"),
+        "folder": (["--config", str(tmp_path / "empty")], "expected a model folder holding a config.json"),
+        "seq-0": (["--config", tiny, "--seq", "0"], "--seq expects a number of tokens from 1 to 16777216"),
+        "seq-absurd": (["--config", tiny, "--seq", "10000000000000"], "found 10000000000000"),
+        "gpu-memory-0": (["--config", tiny, "--gpu-memory", "0"], "leaves nothing for a step"),
+        "gpu-memory-absurd": (["--config", tiny, "--gpu-memory", "9" * 40 + "TiB"], "at most 1 PiB"),
+        "lora-r-absurd": (["--config", tiny, "--lora-r", "10000000000000"], "at most the model's hidden size (512"),
+    }.get(case, (None, f"expected {sized.get(case)} >= 1 in the config; found 0"))
+    (tmp_path / "empty").mkdir()
+    if case in sized:
+        config = {**json.loads(open(tiny).read()), sized[case]: 0}
+        args = ["--config", _write(tmp_path, "zero.json", json.dumps(config))]
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", *args])
+    _one_clear_line(exit.value.code, capsys.readouterr().err, expected)
+
+
+@pytest.mark.slow
+def test_plan_command_on_an_encoder_config_is_one_line(tmp_path):
+    """The same through ``python -m ddp_patches plan``, the process a user runs."""
+    out = _plan_cli("--config", _write(tmp_path, "config.json", json.dumps(BERT)))
+    _one_clear_line(out.returncode, out.stderr, "found bert, whose self-attention is bidirectional")
+
+
+def test_a_config_that_fails_in_the_simulation_is_one_line(tmp_path, capsys):
+    """BERT set up as a decoder (``is_decoder``) passes the decoder check but keeps 512 positions: the first step
+    beyond them fails inside torch, which the planner reports as one line naming the model and the length."""
+    from ddp_patches.__main__ import main
+
+    config = _write(tmp_path, "config.json", json.dumps({**BERT, "is_decoder": True}))
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", "--config", config])
+    _one_clear_line(exit.value.code, capsys.readouterr().err, "a step of bert at 16,384 tokens failed")
 
 
 def test_longest_fits_and_a_step_beyond_its_tolerance_does_not(tmp_path):

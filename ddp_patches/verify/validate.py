@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import math
 import os
 import socket
 import subprocess
@@ -124,14 +125,59 @@ def _fmt(outcome: dict) -> str:
     return outcome["status"] + (f" ({outcome['detail']})" if outcome.get("detail") else "")
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+def _ranks(text: str) -> int:
+    """--nproc: a whole number of ranks, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of ranks >= 1 (e.g. 2); found {text!r}")
+    return value
+
+
+WEEK = 7 * 24 * 3600  # the longest --timeout taken (subprocess cannot wait an infinite time)
+
+
+def _seconds(text: str) -> float:
+    """--timeout: a number of seconds above 0, at most a week."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= WEEK:  # false for nan too
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 and at most {WEEK} (e.g. 240); "
+                                         f"found {text!r}")
+    return value
+
+
+def _check_json_path(path: str) -> None:
+    """--json is written after every run: a path that cannot be written is refused before the first."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--json expects a file to write; found a directory: {path!r}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--json expects a file in an existing folder; found no folder {folder!r}: create it first")
+
+
+def _launch(parser: argparse.ArgumentParser) -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as torchrun set them (0 and 2 when unset); a bad value is a usage error naming it."""
+    from ddp_patches.distributed import env_int
+
+    try:
+        return env_int("RANK", 0, minimum=0), env_int("WORLD_SIZE", 2, minimum=1)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="*", help="comma-separated names or globs (default: all)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--json", help="write every outcome to this JSON file")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks per scenario (default: WORLD_SIZE or 2)")
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a run counts as a hang")
+    parser.add_argument("--nproc", type=_ranks, default=None, help="ranks per scenario (default: WORLD_SIZE or 2)")
+    parser.add_argument("--timeout", type=_seconds, default=240.0, help="seconds before a run counts as a hang")
     parser.add_argument("--skip-unpatched", action="store_true", help="only run the patched side")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="gloo on CPU (default) or nccl with one GPU per rank (CUDA_VISIBLE_DEVICES)")
@@ -141,6 +187,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--patched", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
 
     if args.worker:
@@ -152,10 +203,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         for s in SCENARIOS:
             print(f"{s.name:28} {s.description}")
         return 0
+    if args.json:
+        try:
+            _check_json_path(args.json)
+        except ValueError as e:
+            parser.error(str(e))
     # Under torchrun this script runs once per rank; rank 0 drives, the others have nothing to do.
-    if int(os.environ.get("RANK", "0")) != 0:
+    rank, world = _launch(parser)
+    if rank != 0:
         return 0
-    nproc = args.nproc or max(2, int(os.environ.get("WORLD_SIZE", "2")))
+    nproc = args.nproc or max(2, world)
     patterns = [p.strip() for p in args.scenarios.split(",") if p.strip()]
     chosen = [s for s in SCENARIOS if any(fnmatch.fnmatch(s.name, p) for p in patterns)]
     if not chosen:
