@@ -39,19 +39,22 @@ _SETTLE_LOCK = threading.Lock()
 # whichever backward; a hook fired early with no gradient would finalize it with zeros and drop the later ones.
 # Rule: each output gets its own start node, so a backward runs (and frees) only the graph of the outputs it
 # passes. A settle whose missing parameters lie below an output still alive that no backward has run through yet
-# (outside what this backward runs, or below a Function that may nest a backward) fires nothing and stays armed:
-# the backward that leaves none pending settles (a dropped output takes no backward: its parameters fire). A
-# forward that comes first logs one WARNING; DDP then raises, as without the library.
+# (or below a Function there that may nest a backward) fires nothing and stays armed, if a later backward can run
+# through that output: this backward keeps its graph, or that output's graph does not join what this backward runs
+# and frees. The backward that leaves none pending settles; a dropped output takes no backward. A forward that
+# comes first logs one WARNING; DDP then raises, as without the library.
 # Test: tests/test_reach_backwards.py::test_several_backwards_of_one_forward_train_as_ddp_does.
+
+
 # NOTE [A backward after the reduction]
-# Invariant: a backward through a forward's outputs after DDP finished that forward's reduction raises where DDP
-# alone raises. Alone, on a rank where some parameter got no gradient, the reducer is still waiting, and a second
-# ``loss.backward()`` of a retained graph raises "Expected to mark a variable ready only once"; once the library
-# has fired that parameter, the reducer has finalized and would ignore the second backward's hooks: its gradients
-# would stay unaveraged, silently.
-# Rule: a settle that fired any parameter marks its forward's start nodes; a later backward through one of them
-# that accumulates into the DDP's parameters raises, naming the fix. A rank that fired nothing lets DDP decide, as
-# alone (its reducer ignores the hooks there too).
+# Invariant: a backward after DDP finished a forward's reduction raises where DDP alone would still be waiting
+# for it. Alone, on a rank where some parameter got no gradient, the reducer waits: a second ``loss.backward()`` of a
+# retained graph raises "Expected to mark a variable ready only once", and a backward through a tensor the module
+# kept (a probe on detached features) completes the reduction. Once the library has fired that parameter, the
+# reducer has finalized and ignores later hooks: their gradients would stay unaveraged, silently.
+# Rule: a settle that fired any parameter marks its forward's start nodes and remembers what it fired, until the
+# next forward. A later backward through a marked start node that accumulates into the DDP's parameters raises;
+# so does a fired parameter that later receives a gradient. A rank that fired nothing lets DDP decide, as alone.
 # Test: tests/test_reach_backwards.py::test_the_same_loss_backward_twice_raises_as_without_the_library.
 class _BackwardStart(torch.autograd.Function):
     """Identity on one output; its backward (the first node of any backward through it) queues ``_settle``."""
@@ -245,6 +248,7 @@ class UnusedParameterEdges:
         self._starts: list[tuple] = []  # per forward since the last settle, its outputs' _BackwardStart nodes (weakly)
         self._culprit: str | None = None  # the custom Function that kept the last late fire for the end
         self._deferred = False  # the last settle left its missing parameters to a later backward of the forward
+        self._fired_by_settle: frozenset[int] = frozenset()  # fired empty by the last settle, until the next forward
 
     def __getstate__(self) -> dict:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
@@ -253,7 +257,7 @@ class UnusedParameterEdges:
         state.update(_fired=set(), _fired_empty=set(), _node_hooks=[], _nodes=[], _active=False,
                      _armed=None, _settling_task=-1,
                      _pending_reset=None, _finalized_in_backward=False, _early=[], _early_no_grad=[], _graph=None,
-                     _starts=[], _deferred=False)
+                     _starts=[], _deferred=False, _fired_by_settle=frozenset())
         return state
 
     def install(self, ddp: nn.Module) -> None:
@@ -294,6 +298,7 @@ class UnusedParameterEdges:
         if self._deferred:
             self._deferred = False
             self._report_backward_never_came()
+        self._fired_by_settle = frozenset()
         if self._active:
             if not self._node_hooks:
                 self._watch_nodes()
@@ -363,6 +368,16 @@ class UnusedParameterEdges:
             "losses into one backward, or run a forward per backward (NOTE [A backward after the reduction] in "
             "ddp_patches/reach.py).")
 
+    def _refuse_a_gradient_after_the_reduction(self, index: int) -> None:
+        """NOTE [A backward after the reduction], for a backward that does not pass the DDP's outputs."""
+        raise RuntimeError(
+            f"ddp_patches: trainable parameter '{self._names[index]}' gets a gradient in a backward that runs after "
+            "its DistributedDataParallel finished the forward's reduction: the backward before did not reach it on "
+            "this rank, so its DDP hook was fired with no gradient, and the reducer would now ignore this gradient "
+            "(unaveraged). Without the library DDP waits for it here. Compute that loss before the first backward "
+            "and sum the losses, or pass find_unused_parameters=True (NOTE [A backward after the reduction] in "
+            "ddp_patches/reach.py).")
+
     def _fire_unreachable(self, ddp: nn.Module, node: Any) -> None:
         """NOTE [Unused parameters marked where DDP marks them]: at the start of the backward, the parameters
         this graph task cannot reach fire now, unless a Function below may reach them in a nested backward."""
@@ -390,32 +405,17 @@ class UnusedParameterEdges:
         self._fire(ddp, unreachable)
 
     def _later_backward_may_reach(self, unreached: list[int], starts: list | None = None) -> bool:
-        """NOTE [Several backwards of one forward]: whether an output of the forwards since the last settle that
-        no backward has run through yet leads to one of the ``unreached`` parameters (or to a Function that may
-        run a nested backward), outside what this graph task runs."""
+        """NOTE [Several backwards of one forward]: whether a later backward of the forwards since the last settle
+        may still reach one of the ``unreached`` parameters (or a Function that may run a nested backward)."""
         will_run = torch._C._will_engine_execute_node
         starts = self._starts if starts is None else starts
-        pending = [node for refs in starts for node in (ref() for ref in refs)
-                   if node is not None and not getattr(node, "ran", False) and not will_run(node)]
-        if not pending:
+        roots = [node for refs in starts for node in (ref() for ref in refs)
+                 if node is not None and not getattr(node, "ran", False) and not will_run(node)]
+        if not roots:
             return False
         targets = {id(self._nodes[i]) for i in unreached}
-        seen = {id(node) for node in pending}
-        stack = [fn for node in pending for fn, _ in node.next_functions if fn is not None]
-        while stack:
-            fn = stack.pop()
-            if id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            if id(fn) in targets:
-                return True
-            if will_run(fn):
-                continue  # runs in this backward, and so does everything below it
-            cls = getattr(fn, "_forward_cls", None)
-            if cls is not None and f"{cls.__module__}.{cls.__qualname__}" not in _NO_NESTED_BACKWARD:
-                return True  # may reach parameters in a nested backward the graph does not show
-            stack.extend(f for f, _ in fn.next_functions if f is not None)
-        return False
+        keeps_graph = _keeps_graph()
+        return any(_leads_to(root, targets, will_run, keeps_graph) for root in roots)
 
     def _defer(self, ddp: nn.Module, fired: set, empty: list, early_no_grad: list, starts: list) -> None:
         """NOTE [Several backwards of one forward]: fire nothing now; the backward that leaves no output pending
@@ -434,6 +434,8 @@ class UnusedParameterEdges:
         self._fired.add(index)
         if empty:
             self.reached_empty(index)
+        elif index in self._fired_by_settle:
+            self._refuse_a_gradient_after_the_reduction(index)
         if self._armed is not None:
             ddp = self._armed()
             if ddp is not None:
@@ -485,6 +487,7 @@ class UnusedParameterEdges:
         self._culprit = graph.may_nest if graph is not None else "not walked"
         if late:
             self._fire(ddp, late)
+        self._fired_by_settle = frozenset(early) | frozenset(late)  # after the fire: a static-graph fire accumulates
         # Behind the reducer's finalize (queued by now, or already run in the nested backward above).
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: self._reset_unused_everywhere(ddp, no_grad, late, context))
@@ -617,6 +620,36 @@ def _reducer_prepared(ddp: nn.Module) -> bool:
 # reduction is still to come: armed again. ``backward(inputs=...)`` naming only some parameters is taken as a
 # full backward (the others are fired).
 # Test: tests/test_reach.py::test_autograd_grad_through_the_outputs_fires_nothing.
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph=True``); True where torch cannot say."""
+    get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if get is None else bool(get())
+
+
+def _leads_to(root: Any, targets: set[int], will_run: Callable, keeps_graph: bool) -> bool:
+    """Whether a later backward through ``root`` (an output this backward does not run through) may reach a node in
+    ``targets``, or a Function that may nest a backward. Where its graph joins what this backward runs and frees,
+    no later backward can run through it (NOTE [Several backwards of one forward])."""
+    seen, stack, found = {id(root)}, [fn for fn, _ in root.next_functions if fn is not None], False
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if will_run(fn):  # runs in this backward, and so does everything below it
+            if keeps_graph:
+                continue
+            return False  # its saved tensors are freed at the end of this backward
+        cls = getattr(fn, "_forward_cls", None)
+        may_nest = cls is not None and f"{cls.__module__}.{cls.__qualname__}" not in _NO_NESTED_BACKWARD
+        if id(fn) in targets or may_nest:
+            if keeps_graph:
+                return True
+            found = True  # and it stays, unless the graph joins this backward's below
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return found
+
+
 def _in_autograd_grad(nodes: list) -> bool:
     try:  # any one leaf tells: the engine raises for every leaf while it runs autograd.grad()
         torch._C._will_engine_execute_node(nodes[0]) if nodes else None

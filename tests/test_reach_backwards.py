@@ -50,6 +50,23 @@ class _TwoViews(torch.nn.Module):
         return self.net(x), self.net(x.detach() * 0.5 + 1.0)
 
 
+class _MultiTask(torch.nn.Module):
+    """Two heads on one trunk; the caller keeps both outputs and trains one. ``probe``: a head on the trunk's
+    detached features whose output the module keeps (``self.probe_out``) for a loss of its own."""
+
+    def __init__(self, probe: bool = False):
+        super().__init__()
+        self.trunk = torch.nn.Linear(W, W)
+        self.a, self.b = torch.nn.Linear(W, 3), torch.nn.Linear(W, 2)
+        self.probe = torch.nn.Linear(W, 1) if probe else None
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x[:, :-1]))
+        if self.probe is not None:
+            self.probe_out = self.probe(h.detach())
+        return self.a(h), self.b(h)
+
+
 def _losses(model, x):
     logits, value = model(x)
     return logits.pow(2).mean(), (value - 1.0).pow(2).mean()
@@ -200,3 +217,54 @@ def test_the_same_loss_backward_twice_raises_as_without_the_library(pool, patche
     match = "ready only once" if not patched else "second backward runs through outputs"
     with pytest.raises(RankError, match=match):
         pool.run(several_backwards_case, step="the_same_loss_twice", patched=patched, extra_on_rank0=True)
+
+
+def _one_head_outputs_kept(model, x):
+    """The caller keeps every head's output and trains head ``a``: ``b`` joins the trunk this backward runs and frees,
+    so no later backward can run through it: its parameters are a branch without a gradient."""
+    outputs = model(x)
+    _kept[:] = [outputs]
+    return outputs[0].pow(2).mean()
+
+
+def _then_the_kept_probe(model, x):
+    """A second backward through a tensor the module kept, not through the DDP's outputs."""
+    outputs = model(x)
+    (outputs[0].pow(2).mean() + outputs[1].pow(2).mean()).backward()
+    return getattr(model, "module", model).probe_out.pow(2).mean()
+
+
+STEPS.update(one_head_outputs_kept=_one_head_outputs_kept, then_the_kept_probe=_then_the_kept_probe)
+
+
+def multi_task_case(step: str, patched: bool) -> dict:
+    from ddp_patches.verify.parity import run_parity
+
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
+        return run_parity(lambda: _MultiTask(probe=step == "then_the_kept_probe").double(), _batch(lambda r, it: 0),
+                          torch.cat, STEPS[step], iters=3).as_dict()
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_kept_output_whose_graph_this_backward_freed_is_a_branch_without_a_gradient(pool, patched):
+    """Unpatched: "finished reduction in the prior iteration" (head ``b`` idle). Patched: rescued, exact."""
+    if not patched:
+        from tests.harness import RankError
+
+        with pytest.raises(RankError, match="finished reduction in the prior iteration"):
+            pool.run(multi_task_case, step="one_head_outputs_kept", patched=False)
+        return
+    for r in pool.run(multi_task_case, step="one_head_outputs_kept", patched=True):
+        assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
+
+
+def test_a_backward_through_a_kept_tensor_after_the_reduction_raises(pool):
+    """Unpatched: exact (the probe's hooks complete the reduction in the second backward). Patched: the first
+    backward's settle fired the probe with no gradient, so the second backward's gradient would stay unaveraged
+    (before this rule: 0.56-1.19 relative error, silently); it raises instead."""
+    from tests.harness import RankError
+
+    for r in pool.run(multi_task_case, step="then_the_kept_probe", patched=False):
+        assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
+    with pytest.raises(RankError, match="gets a gradient in a backward that runs after"):
+        pool.run(multi_task_case, step="then_the_kept_probe", patched=True)
