@@ -125,10 +125,12 @@ def _waiting_line(ddp: DDP) -> str:
 # Rule: the walk only finds something new when a module gained a parameter or a submodule, and torch announces both
 # to global registration hooks; so it is redone only after such an announcement (anywhere: a counter, bumped), and
 # every other forward reads the ``requires_grad`` flags of the parameters listed last time. A module assigned again
-# to the name it already has (Switch Transformers' router, every forward) announces nothing new and does not count.
+# to the name it already has (Switch Transformers' router, every forward), or a listed module registered into another
+# container (Llama's ``self.layers[:n]`` builds a new ModuleList every forward) brings nothing new and does not count.
 # Test: tests/test_reducer.py::test_trainable_set_change_is_a_clear_error (cost: benchmarks/ddp_overhead.py
 # --config many-tensors)
 _registrations = [0]  # bumped by torch's global module/parameter registration hooks while the reducer patch is on
+_listed: weakref.WeakSet = weakref.WeakSet()  # the modules of every tree listed since (their parameters are known)
 
 
 def _parameter_registered(module, name, param) -> None:
@@ -136,7 +138,7 @@ def _parameter_registered(module, name, param) -> None:
 
 
 def _module_registered(module, name, submodule) -> None:
-    if module._modules.get(name) is not submodule:
+    if module._modules.get(name) is not submodule and submodule not in _listed:
         _registrations[0] += 1
 
 
@@ -167,6 +169,7 @@ class _ParameterListing:
             ddp = self._ddp()
             ignored = getattr(ddp, "parameters_to_ignore", set())
             self._named = [(n, p) for n, p in ddp.module.named_parameters() if n not in ignored]
+            _listed.update(ddp.module.modules())
             self._params = [p for _, p in self._named]
             self._seen, self._flags = _registrations[0], []
         flags = list(map(_REQUIRES_GRAD, self._params))  # C-speed: 16k parameters in about 1 ms

@@ -212,3 +212,19 @@ def test_an_adapter_unfrozen_after_wrapping_stays_an_error(pool):
     for r in pool.run(adapter_unfrozen_by_peft_case, patched=True):
         assert r["error"] and "now trainable, but not when DDP was built" in r["error"], r
         assert "lora_A" in r["error"], r["error"]
+
+
+def test_a_listed_module_registered_into_a_new_container_does_not_force_a_walk():
+    """Llama's forward slices ``self.layers[:n]``, a new ModuleList of the listed layers, every forward: before, each
+    counted as a registration and ``named_parameters()`` was walked again at every forward. A module not listed yet
+    (an adapter added after wrapping) still counts."""
+    from ddp_patches import trainable_set
+
+    layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    trainable_set._listed.update(layers.modules())
+    before = trainable_set._registrations[0]
+    for name, layer in enumerate(layers[:2]._modules.values()):
+        trainable_set._module_registered(torch.nn.ModuleList(), str(name), layer)
+    assert trainable_set._registrations[0] == before
+    trainable_set._module_registered(layers[0], "lora_A", torch.nn.Linear(2, 1))
+    assert trainable_set._registrations[0] == before + 1
