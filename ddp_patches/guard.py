@@ -89,6 +89,7 @@ class _Tracked:
     synced_in_segment: bool = False  # a step of this segment followed a synchronised forward
     anchored: bool = False  # this step followed a synchronised forward
     may_wait: bool = False  # this rank may wait in the store at this step
+    iteration_optimizers: set = field(default_factory=set)  # ids of the optimizers that stepped since the last sync
     unpaired: bool = False  # a wait timed out in this segment: none more in it
     left: set = field(default_factory=set)  # partners out of data in this segment
     records: list = field(default_factory=list)  # (step, key) this rank wrote to the store and has not deleted
@@ -276,7 +277,7 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
                 unsynced[tracked.index] = (tracked, tracked.names[pid])
     every = _settings.replica_check_every
     for tracked in touched.values():
-        replica_check.count_step(tracked)
+        replica_check.count_step(tracked, id(optimizer))
     if _settings.on_unsynced != "off":
         due = [t for t in touched.values() if replica_check.gradients_due(t, every)]
         for tracked in _gradients_differ(due, unsynced, optimizer):

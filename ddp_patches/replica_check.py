@@ -189,14 +189,24 @@ def segment_key(tracked: Any, *parts: Any) -> str:
     return "/".join([tracked.key_prefix, str(tracked.segment), *map(str, parts)])
 
 
-def count_step(tracked: Any) -> None:
-    """One more optimizer step of this DDP (the outermost only), and whether this rank may wait in the store at it
-    (NOTE [A store wait has a partner that will come])."""
+def count_step(tracked: Any, optimizer: int = 0) -> None:
+    """One more optimizer step of this DDP (the outermost only; ``optimizer``: its id), and whether this rank may
+    wait in the store at it (NOTE [A store wait has a partner that will come])."""
     tracked.steps += 1
     tracked.anchored = tracked.synced_forwards != tracked.forwards_at_step
     tracked.forwards_at_step = tracked.synced_forwards
     tracked.synced_in_segment = tracked.synced_in_segment or tracked.anchored
-    tracked.may_wait = tracked.anchored or not tracked.synced_in_segment
+    # The other optimizers of the same iteration (one per layer group, say) step after the same synchronised
+    # backward on every rank: partnered as the first; an optimizer stepping again without one starts no iteration.
+    same_iteration = not tracked.anchored and optimizer not in tracked.iteration_optimizers \
+        and bool(tracked.iteration_optimizers)
+    if tracked.anchored:
+        tracked.iteration_optimizers = {optimizer}
+    elif same_iteration:
+        tracked.iteration_optimizers.add(optimizer)
+    else:
+        tracked.iteration_optimizers = set()
+    tracked.may_wait = tracked.anchored or same_iteration or not tracked.synced_in_segment
 
 
 def gradients_due(tracked: Any, every: int) -> bool:
@@ -248,6 +258,7 @@ def new_segment(tracked: Any, *, forget: bool) -> None:
     tracked.segment_base = tracked.steps
     tracked.forwards_at_step = tracked.synced_forwards
     tracked.synced_in_segment = False
+    tracked.iteration_optimizers = set()
     tracked.left = set()
     tracked.unpaired = False
 
@@ -259,8 +270,9 @@ def new_segment(tracked: Any, *, forget: bool) -> None:
 # NOTE [Join ends a segment of step counts]) and writes its record at each whatever it found before (a warning
 # given, gradients found equal). (2) A rank that steps no more in a segment (out of data under Join) writes "left".
 # (3) A wait ends at the partner's record or its "left", and is made only where the partner's next move is one of
-# the two: this DDP synchronised a forward since this rank's previous step (the partner joined that backward, so it
-# goes on to this step or runs out of data under Join), or it synchronised none in this segment (a loss through
+# the two: this DDP synchronised a forward since this rank's previous step, or since the first step of this
+# iteration by another optimizer (the partner joined that backward, so it goes on to the iteration's steps or runs
+# out of data under Join), or it synchronised none in this segment (a loss through
 # `.module`: only these checks pair the ranks). Otherwise a rank reads a record already there, or none. (4) A rank
 # that skips a step its peers take after a synchronised backward, or stops without Join in a loop of (3)'s second
 # kind, is not waited for longer than REPLICA_CHECK_TIMEOUT_S, once per segment, said in a WARNING.
