@@ -138,7 +138,8 @@ def _parameter_registered(module, name, param) -> None:
 
 
 def _module_registered(module, name, submodule) -> None:
-    if module._modules.get(name) is not submodule and submodule not in _listed:
+    # A WeakSet lookup cannot be traced by dynamo (its guards index the set's internals): while compiling, count it.
+    if module._modules.get(name) is not submodule and (engines.compiling() or submodule not in _listed):
         _registrations[0] += 1
 
 

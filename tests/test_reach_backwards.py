@@ -166,13 +166,18 @@ STEPS.update(policy_only=_policy_only, policy_only_value_kept=_policy_only_value
 @pytest.mark.parametrize("patched", [False, True])
 def test_a_dropped_output_is_a_parameter_without_a_gradient(pool, patched):
     """Unpatched: "finished reduction in the prior iteration". Patched: the value head fires once at the end."""
+    _assert_rescued(pool, patched, several_backwards_case, step="policy_only")
+
+
+def _assert_rescued(pool, patched: bool, case, **kwargs) -> None:
+    """Unpatched, DDP raises at the next forward; patched, exact every iteration and the ranks in sync."""
     if not patched:
         from tests.harness import RankError
 
         with pytest.raises(RankError, match="finished reduction in the prior iteration"):
-            pool.run(several_backwards_case, step="policy_only", patched=False)
+            pool.run(case, patched=False, **kwargs)
         return
-    for r in pool.run(several_backwards_case, step="policy_only", patched=True):
+    for r in pool.run(case, patched=True, **kwargs):
         assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
 
 
@@ -248,14 +253,7 @@ def multi_task_case(step: str, patched: bool) -> dict:
 @pytest.mark.parametrize("patched", [False, True])
 def test_a_kept_output_whose_graph_this_backward_freed_is_a_branch_without_a_gradient(pool, patched):
     """Unpatched: "finished reduction in the prior iteration" (head ``b`` idle). Patched: rescued, exact."""
-    if not patched:
-        from tests.harness import RankError
-
-        with pytest.raises(RankError, match="finished reduction in the prior iteration"):
-            pool.run(multi_task_case, step="one_head_outputs_kept", patched=False)
-        return
-    for r in pool.run(multi_task_case, step="one_head_outputs_kept", patched=True):
-        assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
+    _assert_rescued(pool, patched, multi_task_case, step="one_head_outputs_kept")
 
 
 def test_a_backward_through_a_kept_tensor_after_the_reduction_raises(pool):
