@@ -621,9 +621,11 @@ def _reducer_prepared(ddp: nn.Module) -> bool:
 # full backward (the others are fired).
 # Test: tests/test_reach.py::test_autograd_grad_through_the_outputs_fires_nothing.
 def _keeps_graph() -> bool:
-    """Whether the running backward keeps its graph (``retain_graph=True``); True where torch cannot say."""
+    """Whether the running backward keeps its graph (``retain_graph=True``). Where torch cannot say (older releases),
+    False: a kept output joining what this backward ran is then a branch without a gradient, and a second backward
+    through a retained shared graph raises (NOTE [A backward after the reduction]), never trains wrong."""
     get = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if get is None else bool(get())
+    return False if get is None else bool(get())
 
 
 def _leads_to(root: Any, targets: set[int], will_run: Callable, keeps_graph: bool) -> bool:
