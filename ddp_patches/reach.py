@@ -334,8 +334,6 @@ class UnusedParameterEdges:
         self._starts.append(tuple(weakref.ref(t.grad_fn) for t in outputs))
         return outputs
 
-    def _start_node_list(self) -> list:
-        return [node for refs in self._starts for node in (ref() for ref in refs) if node is not None]
 
     def backward_started(self, ddp: nn.Module, node: Any = None) -> None:
         """A backward through the outputs began (``_BackwardStart``; ``node`` is that node)."""
@@ -396,7 +394,7 @@ class UnusedParameterEdges:
             return
         if self._later_backward_may_reach(unreachable):
             return  # decided at the end: NOTE [Several backwards of one forward]
-        self._graph = walk_graph(self._start_node_list() or [node])
+        self._graph = walk_graph(_live(self._starts) or [node])
         if self._graph.may_nest:
             return  # decided at the end, as a nested backward may still accumulate them
         grads = map(_GRAD, map(self._params.__getitem__, unreachable))
@@ -409,8 +407,7 @@ class UnusedParameterEdges:
         may still reach one of the ``unreached`` parameters (or a Function that may run a nested backward)."""
         will_run = torch._C._will_engine_execute_node
         starts = self._starts if starts is None else starts
-        roots = [node for refs in starts for node in (ref() for ref in refs)
-                 if node is not None and not getattr(node, "ran", False) and not will_run(node)]
+        roots = [node for node in _live(starts) if not getattr(node, "ran", False) and not will_run(node)]
         if not roots:
             return False
         targets = {id(self._nodes[i]) for i in unreached}
@@ -474,7 +471,7 @@ class UnusedParameterEdges:
         self.attached_last = len(late) + len(early)
         no_grad = early_no_grad + empty + [i for i in late if self._params[i].grad is None]
         if early or late:
-            for node in (node for refs in starts for node in (ref() for ref in refs) if node is not None):
+            for node in _live(starts):
                 node.settled_by_fire = True  # NOTE [A backward after the reduction]
             first = (early or late)[0]
             log_rank0_once("unused-edges", logging.INFO,
@@ -620,6 +617,11 @@ def _reducer_prepared(ddp: nn.Module) -> bool:
 # reduction is still to come: armed again. ``backward(inputs=...)`` naming only some parameters is taken as a
 # full backward (the others are fired).
 # Test: tests/test_reach.py::test_autograd_grad_through_the_outputs_fires_nothing.
+def _live(starts: list) -> list:
+    """The start nodes still alive in ``starts`` (per forward, a tuple of weak references)."""
+    return [node for refs in starts for node in (ref() for ref in refs) if node is not None]
+
+
 def _keeps_graph() -> bool:
     """Whether the running backward keeps its graph (``retain_graph=True``). Where torch cannot say (older releases),
     False: a kept output joining what this backward ran is then a branch without a gradient, and a second backward
