@@ -238,10 +238,27 @@ def ddp_forward_active() -> bool:
     return DistributedDataParallel._get_active_ddp_module() is not None
 
 
+# NOTE [Unreadable third-party state is not that engine]
+# Invariant: detection never raises on another library's half-built state. transformers registers its global
+# DeepSpeed config before checking that deepspeed is installed, so a ``TrainingArguments(deepspeed=...)`` that failed
+# (PackageNotFoundError) leaves a config without its ZeRO stage, and ``is_deepspeed_zero3_enabled()`` raises
+# AttributeError from then on -- which made every later apply() crash.
+# Rule: a detector that cannot read such state logs one WARNING line (once, rank 0) naming what raised, and answers
+# "not that engine".
+# Test: tests/test_engines.py::test_a_half_built_hf_deepspeed_config_is_not_zero3
 def deepspeed_zero3() -> bool:
     """transformers' own ZeRO-3 switch (an HfDeepSpeedConfig is alive); never imports transformers."""
     integration = sys.modules.get("transformers.integrations.deepspeed")
-    return bool(integration is not None and integration.is_deepspeed_zero3_enabled())
+    if integration is None:
+        return False
+    try:
+        return bool(integration.is_deepspeed_zero3_enabled())
+    except Exception as e:  # NOTE [Unreadable third-party state is not that engine]
+        log_rank0_once("engine-hf-deepspeed-unreadable", logging.WARNING,
+                       "ddp_patches: transformers' global DeepSpeed config cannot be read (is_deepspeed_zero3_enabled()"
+                       " raised %s: %s; typically left by a TrainingArguments(deepspeed=...) that failed): taken as "
+                       "no DeepSpeed ZeRO-3", type(e).__name__, e)
+        return False
 
 
 def _has_partitioned_parameters(module: nn.Module) -> bool:

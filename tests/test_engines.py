@@ -76,6 +76,42 @@ def test_hf_deepspeed_config_is_detected_without_an_engine():
     assert not engines.deepspeed_zero3()
 
 
+def test_a_half_built_hf_deepspeed_config_is_not_zero3(tmp_path, monkeypatch):
+    """NOTE [Unreadable third-party state is not that engine]: ``TrainingArguments(deepspeed=...)`` where deepspeed
+    is not installed registers transformers' global config, then raises PackageNotFoundError. Every later apply()
+    raised AttributeError from engine detection; now one WARNING line says so and detection goes on."""
+    from importlib.metadata import PackageNotFoundError
+
+    from transformers import TrainingArguments
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from ddp_patches.distributed import reset_log_once
+
+    def not_installed(package: str, hint=None):  # transformers' own check, where deepspeed is missing
+        if package == "deepspeed":
+            raise PackageNotFoundError("No package metadata was found for deepspeed")
+
+    monkeypatch.setattr(hf_deepspeed, "dep_version_check", not_installed)
+    try:
+        with pytest.raises(PackageNotFoundError) as failed:  # keeps the half-built config alive, as a REPL does
+            TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                              deepspeed={"zero_optimization": {"stage": 2}})
+        with pytest.raises(AttributeError):
+            hf_deepspeed.is_deepspeed_zero3_enabled()  # transformers' own switch, on the state it left
+        reset_log_once()
+        with _warnings() as lines:
+            report = ddp_patches.apply()
+            assert not engines.deepspeed_zero3()
+            assert engines.of_module(nn.Linear(2, 2)) == engines.NONE
+        assert "torch.utils.checkpoint.CheckpointFunction" in report.installed
+        unreadable = [ln for ln in lines if "DeepSpeed config cannot be read" in ln]
+        assert len(unreadable) == 1 and "AttributeError" in unreadable[0], lines
+        assert "no DeepSpeed ZeRO-3" in unreadable[0]
+        del failed
+    finally:
+        hf_deepspeed.unset_hf_deepspeed_config()
+
+
 # -- helpers run on every rank ------------------------------------------------------------------------------------
 def _reentrant_nodes(t: torch.Tensor) -> int:
     """Reentrant checkpoints that stayed reentrant (CheckpointFunctionBackward nodes) in t's graph."""
