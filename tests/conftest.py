@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -23,3 +24,14 @@ def _revert_after_each_test():
 
     yield
     ddp_patches.revert()
+
+
+@pytest.fixture(autouse=True)
+def _no_hf_deepspeed_config_left():
+    """transformers keeps the last DeepSpeed config of a ``TrainingArguments(deepspeed=...)`` in a module global,
+    also a half-built one when that raised (deepspeed missing): unset it after each test, as transformers' own
+    tests do, so no later test's apply() sees a ZeRO-3 or broken config it did not make."""
+    yield
+    integration = sys.modules.get("transformers.integrations.deepspeed")
+    if integration is not None:
+        integration.unset_hf_deepspeed_config()
