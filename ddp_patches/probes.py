@@ -65,8 +65,8 @@ def verify(patch: str, assumptions: tuple[Assumption, ...], consequence: str) ->
     log_rank0_once(
         "probe-" + patch, logging.WARNING,
         "ddp_patches: torch %s: the %s patch steps aside: it assumes %s [%s], which does not hold on this torch "
-        "(%s). %s; the other patches are unaffected. Tested with torch %s; please report this line in an issue "
-        "(docs/troubleshooting.md, 'A newer torch')", torch.__version__, patch, says, name, found, consequence, TESTED_TORCH)
+        "(%s). %s; the other patches are unaffected. Tested with torch %s; please report this line "
+        "(docs/troubleshooting.md, 'Reporting a problem')", torch.__version__, patch, says, name, found, consequence, TESTED_TORCH)
     return False
 
 

@@ -224,6 +224,24 @@ def test_one_source_for_the_tested_range():
 
 
 # -- the README ------------------------------------------------------------------------------------------------------
+def test_the_python_floor_and_the_install_line_are_true():
+    """pyproject's requires-python is the README's "Python >= X.Y", no lower than what the suite proves (every CI
+    lane runs 3.11, and this file imports tomllib, new in 3.11); and no page tells a reader to install the package
+    from an index it is not on."""
+    import sys
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        floor = _bound(tomllib.load(f)["project"]["requires-python"], ">=")
+    readme = _read(os.path.join(ROOT, "README.md"))
+    assert floor is not None and floor >= (3, 11) and sys.version_info[:2] >= floor, floor
+    assert f"Python >= {floor[0]}.{floor[1]}." in readme
+    assert "not on PyPI" in readme
+    from_index = re.compile(r'pip install "?ddp_patches\b')
+    found = [f"{_rel(p)}:{i}" for p in _files(".md") for i, line in enumerate(_read(p).splitlines(), 1)
+             if from_index.search(line)]
+    assert not found, "pages that install ddp_patches from an index it is not on: " + ", ".join(found)
+
+
 def test_readme_is_a_page_a_newcomer_reads():
     lines = _read(os.path.join(ROOT, "README.md")).splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; the reference belongs in docs/"
