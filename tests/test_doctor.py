@@ -130,6 +130,7 @@ def test_transformers_offload_with_and_without_ours(ours):
     assert ("steps aside" in finding.failure) == ours and "keeps it" in finding.failure
 
 
+@pytest.mark.deepspeed
 def test_a_zero2_config_is_named_and_what_acts(tmp_path):
     pytest.importorskip("deepspeed", reason="TrainingArguments(deepspeed=...) needs deepspeed (DS_BUILD_OPS=0 pip "
                                             "install --no-build-isolation deepspeed==0.19.8)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import logging
 from typing import Iterator
 
@@ -21,9 +20,7 @@ import ddp_patches
 from ddp_patches import engines
 from tests.harness import grad_fn_names
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="deepspeed is not installed (pip install --no-build-isolation "
-                                            "deepspeed==0.19.8)")
+needs_deepspeed = pytest.mark.deepspeed  # skipped without deepspeed (tests/conftest.py), run last in CI
 
 
 # -- detection, in one process ---------------------------------------------------------------------------------

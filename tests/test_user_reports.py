@@ -447,6 +447,7 @@ def shared_block(patched: bool, ckpt="reentrant", stage=2, overlap=False) -> dic
     return shared_weight(stage=stage, overlap=overlap, checkpoint=ckpt, patched=patched)
 
 
+@pytest.mark.deepspeed
 def test_deepspeed_988_two_forwards_zero2(pool):
     """The same model on two inputs (a Siamese encoder; PPO's actor for the RL and the ptx loss), losses summed, one
     backward, under ZeRO-2 with reentrant checkpointing: Llama LoRA, 2 ranks, CPU DeepSpeed."""
@@ -455,6 +456,7 @@ def test_deepspeed_988_two_forwards_zero2(pool):
     record("DeepSpeed#988, DeepSpeedExamples#458", unpatched=unpatched, patched=patched, status=user_reports.FIXED)
 
 
+@pytest.mark.deepspeed
 def test_deepspeed_2103_shared_block_zero2(pool):
     """One block applied twice, each application checkpointed (a recursive transformer; Bunny's S2 runs the vision
     tower at several scales): ZeRO-2 and ZeRO-1 with overlap_comm."""
