@@ -17,6 +17,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -71,9 +72,11 @@ def run_one(name: str, patched: bool, nproc: int, timeout: float, backend: str =
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
             env.pop(var, None)  # the child group is its own torchrun job
         start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+            stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _stop(proc)
             return {"status": "hang", "detail": f"no result within {timeout:.0f}s", "seconds": timeout}
         seconds = time.monotonic() - start
         if os.path.exists(out):
@@ -81,7 +84,31 @@ def run_one(name: str, patched: bool, nproc: int, timeout: float, backend: str =
                 result = json.load(f)
             result["seconds"] = seconds
             return result
-        return {"status": "error", "detail": _first_error_line(proc.stderr + proc.stdout), "seconds": seconds}
+        text = stderr + stdout
+        return {"status": "error", "detail": _first_error_line(text), "message": _error_message(text),
+                "seconds": seconds}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a timed-out torchrun and its ranks: SIGTERM, which torchrun forwards to its workers (they run in their own
+    sessions, so a SIGKILL of torchrun alone can leave a hung rank behind), then SIGKILL after a grace period."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def _error_message(text: str) -> str:
+    """The first sentence of the ranks' error message as a user reads it, with the exception's type ("RuntimeError:
+    Expected to mark a variable ready only once."); "" when no rank printed an error line."""
+    for line in text.splitlines():
+        line = re.sub(r"^\[rank\d+\]:\s*", "", line).strip()
+        if re.match(r"^[\w.]*(Error|Exception)\b", line) and ":" in line:
+            end = line.find(". ", 20)
+            return line[: end + 1 if end > 0 else 160][:160]
+    return ""
 
 
 def worker(name: str, patched: bool, out: str, backend: str = "gloo") -> int:
