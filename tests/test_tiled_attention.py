@@ -230,3 +230,23 @@ def test_qlora_parity_on_cuda():  # pragma: no cover - CUDA only
     with tiled_attention.tile_model(model, shard_tokens=4):
         tiled = _step(model, batch)
     _assert_same(untiled, tiled, tol=1e-4)
+
+
+def test_options_are_checked_and_revert_restores(caplog):
+    import logging
+
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
+
+    with pytest.raises(TypeError, match="tiled_attention=...\\) expects True or False"):
+        ddp_patches.apply(tiled_attention="yes")
+    with pytest.raises(ValueError, match="tiled_attention_shard_tokens=...\\) expects None"):
+        ddp_patches.apply(tiled_attention=True, tiled_attention_shard_tokens=0)
+    with caplog.at_level(logging.WARNING, logger="ddp_patches"), ddp_patches.patched(tiled_attention_shard_tokens=8):
+        pass
+    assert "ignored because tiled_attention=False" in caplog.text
+    originals = LlamaAttention.forward, LlamaRMSNorm.forward
+    with ddp_patches.patched(tiled_attention=True, tiled_attention_shard_tokens=8):
+        model = _family("llama", checkpointed=False)  # found when built (post_init)
+        assert (LlamaAttention.forward, LlamaRMSNorm.forward) != originals
+        assert tiled_attention.discover(model) == []  # idempotent: already patched
+    assert (LlamaAttention.forward, LlamaRMSNorm.forward) == originals
