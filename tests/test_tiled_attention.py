@@ -250,3 +250,38 @@ def test_options_are_checked_and_revert_restores(caplog):
         assert (LlamaAttention.forward, LlamaRMSNorm.forward) != originals
         assert tiled_attention.discover(model) == []  # idempotent: already patched
     assert (LlamaAttention.forward, LlamaRMSNorm.forward) == originals
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_an_inplace_edit_before_backward_raises_as_untiled(tiled):
+    """tiled_mlp's NOTE [The replay reads what the forward read]: torch's version check is kept."""
+    model = _family("llama", checkpointed=False)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    before = tiled_attention.counts()["tiled_calls"]
+    with tiled_attention.tile_model(model, shard_tokens=4) if tiled else torch.enable_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert tiled_attention.counts()["tiled_calls"] - before == (2 if tiled else 0)
+    with torch.no_grad():
+        model.get_base_model().model.layers[1].self_attn.k_proj.lora_A["default"].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_functional_call_with_substituted_parameters_is_exact():
+    """Substituted LoRA weights (``functional_call``) get the untiled gradients: the replay reads what the
+    forward read."""
+    model = _family("llama", checkpointed=False)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    names = [n for n, p in model.named_parameters() if "lora_A" in n]
+    subs = {n: (dict(model.named_parameters())[n].detach() + 0.01).requires_grad_(True) for n in names}
+
+    def grads(tiled: bool) -> list:
+        with tiled_attention.tile_model(model, shard_tokens=4) if tiled else torch.enable_grad():
+            loss = torch.func.functional_call(model, subs, (), {"input_ids": ids, "labels": ids}).loss
+        return torch.autograd.grad(loss, list(subs.values()))
+
+    before = tiled_attention.counts()["tiled_calls"]
+    untiled, tiled = grads(False), grads(True)
+    assert tiled_attention.counts()["tiled_calls"] - before == 2
+    for a, b in zip(untiled, tiled):
+        assert float(a.abs().max()) > 0 and float((a - b).abs().max()) <= 1e-10 * float(a.abs().max())
