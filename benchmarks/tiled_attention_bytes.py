@@ -1,7 +1,7 @@
 """The activation peak of one decoder layer's forward+backward, attention projections tiled or not: memsim's
 machinery (fake tensors at real shapes, ``memsim.LiveBytes``), no device needed.
 
-    python benchmarks/tiled_attention_bytes.py                  # Llama-8B layer (H 4096, I 14336, GQA 32/8) at 32K, 262K
+    python benchmarks/tiled_attention_bytes.py        # Llama-8B layer (H 4096, I 14336, GQA 32/8) at 32K, 262K
     python benchmarks/tiled_attention_bytes.py --tokens 8192 --hidden 512 --intermediate 1792 --heads 8 --kv-heads 2
 
 One Llama decoder layer, bf16, LoRA r=16 on q/k/v/o/gate/up/down (PEFT's float32 adapters), run in a non-reentrant

@@ -34,7 +34,6 @@ AUTO_SHARDS = 4
 _settings: dict = {"on": False, "shard_tokens": None}
 _verdicts: dict[type, str | None] = {}  # attention class -> None (tiles) or why not; decided at its first call
 _counts = {"tiled_calls": 0, "shards": 0}
-_norm_of: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()  # attn->norm
 _norms: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()  # norm->attn
 _outside: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 _normed = WeakIdKeyDictionary()  # a tiled input norm's output -> (norm, its input): NOTE [The input norm inside]
@@ -83,8 +82,9 @@ def shard_sizes(rows: int, hidden: int, shard_tokens: int | None) -> list[int]:
 # Invariant: a tiled attention computes what its class computes, for every family, with nothing re-implemented:
 # RoPE (1-D or multimodal), q/k/v biases, GQA, sliding windows, softcapping and the kernel (eager, SDPA, flash via
 # ALL_ATTENTION_FUNCTIONS) are the class's own forward, run on the whole sequence.
-# Rule: q/k/v (each through the layer's input norm, and q_norm/k_norm where the class has them) are computed
-# first, each by ``tiled_mlp.apply_tiled`` over token shards (saving only the shared input), then the class's
+# Rule: q/k/v (through the layer's input norm, and q_norm/k_norm where the class has them) are computed first, by
+# one ``tiled_mlp.apply_tiled`` over token shards (saving only its input; one node, so the norm's backward sees
+# dq+dk+dv summed, as untiled; v copied out, so q and k before RoPE are not kept with it), then the class's
 # forward runs with its q/k/v_proj (and q/k_norm) answering with those tensors for exactly the input they were
 # made from, and o_proj running tiled on whatever it is given. A class is tiled after one probe at its first call
 # (no_grad, dropout off: tiled and untiled outputs agree, and each stand-in was used once as expected); else it runs
@@ -92,7 +92,7 @@ def shard_sizes(rows: int, hidden: int, shard_tokens: int | None) -> list[int]:
 # Test: tests/test_tiled_attention.py::test_single_process_parity.
 class _Given:
     """Stands in for a projection inside the class's forward: ``value`` for ``expect`` (once), else the real
-    module. ``normed``: q_norm/k_norm's stand-in, given the projection's stand-in output (reshaped)."""
+    module. As q_norm/k_norm's stand-in, ``expect`` is the projection's stand-in output, viewed per head."""
 
     def __init__(self, real: torch.nn.Module, expect: torch.Tensor | None, value: torch.Tensor | None):
         self.real, self.expect, self.value = real, expect, value
@@ -124,7 +124,8 @@ class _TiledO:
         self.real, self.sizes, self.used, self.missed = real, sizes, 0, 0
 
     def __call__(self, x, *args, **kwargs):
-        if args or kwargs or self.used or not isinstance(x, torch.Tensor) or x.numel() // x.shape[-1] != sum(self.sizes):
+        if args or kwargs or self.used or not isinstance(x, torch.Tensor) \
+                or x.numel() // max(x.shape[-1], 1) != sum(self.sizes):
             self.missed += 1
             return self.real(x, *args, **kwargs)
         self.used += 1
@@ -455,7 +456,6 @@ def discover(model: torch.nn.Module) -> list[str]:
 
 def _norms_pair(attn: torch.nn.Module, norm: torch.nn.Module | None) -> None:
     if norm is not None:
-        _norm_of[attn] = norm
         _norms[norm] = attn
 
 

@@ -643,7 +643,7 @@ def install(*, shard_tokens: int | None) -> list[str]:
     """Patch the gate/up/down MLP classes imported so far, and discover the rest on models as they are built
     or wrapped (NOTE [MLPs found by structure])."""
     try:
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel  # noqa: F401 - install_discovery() patches it
     except ImportError as exc:
         raise ImportError(
             "ddp_patches: apply(tiled_mlp=True) tiles the MLPs of transformers models, and needs transformers "
