@@ -15,6 +15,7 @@ from . import probes as _probes
 from . import reducer as _reducer_patch
 from . import replica_check as _replica_check
 from . import teardown as _teardown
+from . import tiled_attention as _tiled_attention_patch
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from . import zero as _zero
@@ -52,6 +53,8 @@ def apply(
     offload: bool | str = False,
     tiled_mlp: bool = False,
     tiled_mlp_shard_tokens: int | None = None,
+    tiled_attention: bool = False,
+    tiled_attention_shard_tokens: int | None = None,
     offload_min_bytes: int = _offload_patch.DEFAULT_MIN_BYTES,
     offload_max_pinned_bytes: int | None = None,
     offload_prefetch_depth: int = _offload_patch.DEFAULT_PREFETCH_DEPTH,
@@ -92,6 +95,11 @@ def apply(
         tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: the rule by bytes,
             min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2
             (NOTE [Tiling by bytes]). Used with ``tiled_mlp``.
+        tiled_attention: under DDP, run each decoder layer's input norm, q/k/v and
+            o_proj (LoRA included) in token shards around the attention kernel, which sees the whole sequence
+            (found by structure; NOTEs in ddp_patches/tiled_attention.py). Steps aside under other engines.
+        tiled_attention_shard_tokens: at most this many tokens per attention shard, always tiled; None: 4 shards
+            where the call has at least 2 x hidden_size tokens (NOTE [Attention tiled by bytes]).
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the
@@ -100,6 +108,7 @@ def apply(
             the second optimizer step and then before every this-many-th (0: never).
     """
     options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
+    options.update(_validate_tiled_attention(tiled_attention, tiled_attention_shard_tokens))
     if options["offload"] == "auto":
         log_rank0_once("offload-auto", logging.WARNING, "ddp_patches: offload='auto' now means offload=False "
                        "(%s); pass offload=True to turn it on", _offload_patch.WHY_OPT_IN)
@@ -124,6 +133,8 @@ def apply(
             installed += _reducer_patch.install()
         if options["tiled_mlp"]:
             installed += _tiled_mlp_patch.install(shard_tokens=options["tiled_mlp_shard_tokens"])
+        if options["tiled_attention"]:
+            installed += _tiled_attention_patch.install(shard_tokens=options["tiled_attention_shard_tokens"])
         if options["offload"] is not False:
             installed += _offload_patch.install(
                 explicit=options["offload"] is True,
@@ -132,8 +143,9 @@ def apply(
                 prefetch_depth=options["offload_prefetch_depth"],
                 max_in_flight=options["offload_max_in_flight"],
             )
-        if options["checkpointing"] or options["tiled_mlp"] or options["offload"] is not False:
-            on_built = (_tiled_mlp_patch.discover,) if options["tiled_mlp"] else ()
+        tiled = options["tiled_mlp"] or options["tiled_attention"]
+        if options["checkpointing"] or tiled or options["offload"] is not False:
+            on_built = (_tiled_mlp_patch.discover,) if tiled else ()  # it discovers tiled attention too
             installed += _zero.install(on_built)  # which modules a DeepSpeed engine runs (NOTE [Engines])
         installed += _guard.install(on_unsynced=options["on_unsynced"],
                                     replica_check_every=options["replica_check_every"])
@@ -222,6 +234,16 @@ def _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens
     }
 
 
+def _validate_tiled_attention(tiled_attention, shard_tokens) -> dict:
+    if not isinstance(tiled_attention, bool):
+        raise TypeError(f"ddp_patches.apply(tiled_attention=...) expects True or False, got {tiled_attention!r}")
+    if shard_tokens is not None and (isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int)
+                                     or shard_tokens < 1):
+        raise ValueError("ddp_patches.apply(tiled_attention_shard_tokens=...) expects None (automatic) or a "
+                         f"positive int, got {shard_tokens!r}")
+    return {"tiled_attention": tiled_attention, "tiled_attention_shard_tokens": shard_tokens}
+
+
 def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:
     for name, value, allow_none in (("offload_min_bytes", min_bytes, False),
                                     ("offload_max_pinned_bytes", max_pinned_bytes, True)):
@@ -259,3 +281,7 @@ def _warn_ignored(options: dict) -> None:
     if options["tiled_mlp_shard_tokens"] is not None and not options["tiled_mlp"]:
         logger.warning("ddp_patches: tiled_mlp_shard_tokens=%d is ignored because tiled_mlp=False; pass "
                        "tiled_mlp=True to tile the MLPs", options["tiled_mlp_shard_tokens"])
+    if options["tiled_attention_shard_tokens"] is not None and not options["tiled_attention"]:
+        logger.warning("ddp_patches: tiled_attention_shard_tokens=%d is ignored because tiled_attention=False; "
+                       "pass tiled_attention=True to tile the attention projections",
+                       options["tiled_attention_shard_tokens"])

@@ -90,6 +90,8 @@ OPTIONS: dict[str, Callable[[str], object]] = {
     "offload_max_in_flight": _at_least_one,
     "tiled_mlp": _bool,
     "tiled_mlp_shard_tokens": _count_or_auto,
+    "tiled_attention": _bool,
+    "tiled_attention_shard_tokens": _count_or_auto,
     "on_unsynced": _on_unsynced,  # ddp_patches/guard.py, ddp_patches/replica_check.py
     "replica_check_every": _count,
 }

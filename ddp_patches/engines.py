@@ -52,6 +52,7 @@ ACTS_UNDER: dict[str, tuple[str, ...]] = {
     "reducer": (DDP,),
     "offload": (DDP, FSDP2, ZERO12),
     "tiled_mlp": (DDP, FSDP2, ZERO12),
+    "tiled_attention": (DDP,),  # proven under DDP only (tests/test_tiled_attention.py)
 }
 
 _WHY: dict[tuple[str, str], str] = {
@@ -93,7 +94,7 @@ def step_aside(patch: str, engine: str) -> None:
 
 
 _LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)", "offload": "activation offload",
-           "tiled_mlp": "the tiled MLP", "reducer": "the unused-parameter rescue"}
+           "tiled_mlp": "the tiled MLP", "tiled_attention": "the tiled attention", "reducer": "the unused-parameter rescue"}
 
 
 # -- detection -------------------------------------------------------------------------------------------------

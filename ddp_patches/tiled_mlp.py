@@ -30,7 +30,8 @@ _GATED = ("gate_proj", "up_proj", "down_proj")
 # outputs, the activation's, their product, down_proj's input).
 SAVED_PER_TOKEN = 5
 
-_settings: dict = {"shard_tokens": None, "untiled": 0}
+_settings: dict = {"shard_tokens": None, "untiled": 0, "mlp": False}  # mlp: apply(tiled_mlp=True)
+_also_discover: list = []  # other tiled patches' discover(model), registered by their install()
 _verdicts: dict[type, str | None] = {}  # class -> None (tiles) or why not; decided at its first call
 _counts = {"tiled_calls": 0, "shards": 0}
 _measured_intermediate: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -232,7 +233,7 @@ def apply_tiled(forward_fn: Callable, rows: list[int], x2d: torch.Tensor, params
                 module: torch.nn.Module | None = None) -> torch.Tensor:
     """The tiled MLP on ``x2d`` (tokens x hidden): its input saved by a SaveMLPInput node placed before the
     TiledMLPFunction, which saves nothing (NOTE [Recompute ends before the tiled forward]). ``module``: the MLP
-    ``forward_fn`` runs, whose tensors the replay reads as the forward did
+    ``forward_fn`` runs (or a tuple of the modules it runs), whose tensors the replay reads as the forward did
     (NOTE [The replay reads what the forward read]); None (a direct call, as the memory simulator makes)
     records and saves nothing more."""
     slots = _slots(module) if module is not None else ()
@@ -260,7 +261,7 @@ def _slots(module: torch.nn.Module) -> tuple:
     """(slot dict, name, tensor, is a parameter) for every parameter and buffer ``module`` and its submodules
     hold now: what its forward reads (NOTE [The replay reads what the forward read]). A walk of the dicts
     themselves: ``functional_call`` puts its tensors there."""
-    found, seen, stack = [], set(), [module]
+    found, seen, stack = [], set(), list(module) if isinstance(module, tuple) else [module]
     while stack:
         m = stack.pop()
         if m is None or id(m) in seen:
@@ -591,7 +592,9 @@ def discover(model: torch.nn.Module) -> list[str]:
     call it yourself for a non-transformers model that FSDP2 shards and that was built before apply()."""
     if not enabled():
         return []
-    found = []
+    found = [name for other in _also_discover for name in other(model)]  # apply(tiled_attention=True)'s
+    if not _settings["mlp"]:
+        return found
     for cls in {type(m) for m in model.modules() if _structure_problem(m) is None}:
         if _patch_class(cls):
             found.append(f"{cls.__module__}.{cls.__qualname__}")
@@ -624,7 +627,7 @@ def _discover_after_post_init(original_post_init: Callable) -> Callable:
 
 
 def enabled() -> bool:
-    """apply(tiled_mlp=True) is in effect (its discovery hook is installed).
+    """apply(tiled_mlp=True) or apply(tiled_attention=True) is in effect (the discovery hook is installed).
 
     transformers is optional: where it was never imported, install() (which imports it) has not run, and a
     torch-only process must not need it to build a DDP.
@@ -640,7 +643,7 @@ def install(*, shard_tokens: int | None) -> list[str]:
     """Patch the gate/up/down MLP classes imported so far, and discover the rest on models as they are built
     or wrapped (NOTE [MLPs found by structure])."""
     try:
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel  # noqa: F401 - install_discovery() patches it
     except ImportError as exc:
         raise ImportError(
             "ddp_patches: apply(tiled_mlp=True) tiles the MLPs of transformers models, and needs transformers "
@@ -648,12 +651,30 @@ def install(*, shard_tokens: int | None) -> list[str]:
             "leave tiled_mlp off; the other patches need no transformers") from exc
 
     _settings["shard_tokens"] = shard_tokens
+    _settings["mlp"] = True
     _counts.update(tiled_calls=0, shards=0)
     _verdicts.clear()
     _measured_intermediate.clear()
     _outside.clear()
-    REGISTRY.install(PreTrainedModel, "post_init", _discover_after_post_init)
+    installed = install_discovery()
     patched = [f"{c.__module__}.{c.__qualname__}" for c in _imported_candidates() if _patch_class(c)]
     logger.debug("ddp_patches: tiled MLP patched %d gate/up/down classes already imported", len(patched))
-    return ["transformers.PreTrainedModel.post_init (tiled-MLP discovery)"] + \
-        [f"{name}.forward" for name in sorted(patched)]
+    return installed + [f"{name}.forward" for name in sorted(patched)]
+
+
+def install_discovery() -> list[str]:
+    """The hook that finds tiled classes on each transformers model built (the tiled MLP's and attention's)."""
+    from transformers import PreTrainedModel
+
+    if REGISTRY.is_patched(PreTrainedModel, "post_init"):
+        return []
+    REGISTRY.install(PreTrainedModel, "post_init", _discover_after_post_init)
+    return ["transformers.PreTrainedModel.post_init (tiled-MLP discovery)"]
+
+
+def _forget() -> None:
+    _settings["mlp"] = False
+    _also_discover.clear()
+
+
+REGISTRY.on_reset(_forget)

@@ -36,7 +36,7 @@ def test_module_of_finds_the_module_behind_a_checkpointed_function():
 
 @pytest.mark.parametrize("env,engine,acting", [
     ({}, engines.NONE, []),
-    ({"WORLD_SIZE": "2"}, engines.DDP, ["checkpointing", "reducer", "offload", "tiled_mlp"]),
+    ({"WORLD_SIZE": "2"}, engines.DDP, ["checkpointing", "reducer", "offload", "tiled_mlp", "tiled_attention"]),
     ({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, engines.FSDP2,
      ["offload", "tiled_mlp"]),
     ({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true"}, engines.FSDP1, []),

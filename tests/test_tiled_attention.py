@@ -1,0 +1,287 @@
+"""Tiled attention: single-process fp64 parity (outputs and every gradient) per family, the projections' forward
+count under checkpointing, unknown attention untiled, and 2-rank DDP parity against the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddp_patches
+from ddp_patches import tiled_attention, tiled_mlp
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "mistral"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _lora(model, *, trainable_norms: bool = True):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)  # B starts at zero: every gradient nonzero
+            if trainable_norms and ("norm" in name or name.endswith("bias")):
+                p.requires_grad_(True)  # norm weights (input, q/k) and q/k/v biases get gradients too
+    return model.train()
+
+
+def _family(model_type: str, checkpointed: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ddp_patches.verify.hf_models import enable_checkpointing
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=96, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").double()
+    if checkpointed:
+        enable_checkpointing(model, {"use_reentrant": False})
+    return _lora(model)
+
+
+def _step(model, batch: dict) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(a: tuple, b: tuple, tol: float = 1e-10, float32_names: str | None = None) -> None:
+    assert torch.allclose(a[0], b[0], rtol=tol, atol=0), (a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        ga, gb = a[1][name], b[1][name]
+        limit = 1e-6 if float32_names and float32_names in name else tol
+        assert float(ga.abs().max()) > 0, name
+        assert float((ga - gb).abs().max()) <= limit * float(ga.abs().max()), name
+
+
+@pytest.mark.parametrize("family,checkpointed", [(f, False) for f in FAMILIES] + [("llama", True), ("qwen3", True)])
+def test_single_process_parity(family, checkpointed):
+    """Outputs and every gradient (LoRA, biases, input/q/k norm weights) as untiled, in fp64: 1e-10, except where
+    the family's own norm computes its weight's gradient in float32 (Gemma's (1 + w) upcasts w): summed per
+    shard there, 1e-6."""
+    model = _family(family, checkpointed)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids}
+    untiled = _step(model, batch)
+    before = tiled_attention.counts()["tiled_calls"]
+    with tiled_attention.tile_model(model, shard_tokens=4):  # 22 tokens: 6 shards
+        tiled = _step(model, batch)
+    assert tiled_attention.counts()["tiled_calls"] - before >= 2  # each layer (twice under checkpointing)
+    _assert_same(untiled, tiled, float32_names="layernorm" if family.startswith("gemma") else None)
+    assert "forward" not in vars(model.get_base_model().model.layers[0].self_attn)  # restored
+
+
+def test_qwen2_vl_text_decoder_parity():
+    from ddp_patches.verify import vlm_models
+
+    torch.manual_seed(0)
+    model = vlm_models.build_vlm("qwen2_vl", {"use_reentrant": False}, dtype=torch.float64)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    batch = vlm_models.vlm_batch("qwen2_vl", 0, 0, 0)
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+    untiled = _step(model, batch)
+    before = tiled_attention.counts()["tiled_calls"]
+    with tiled_attention.tile_model(model, shard_tokens=5):
+        tiled = _step(model, batch)
+    assert tiled_attention.counts()["tiled_calls"] > before  # the text decoder's; the vision tower's qkv is fused
+    _assert_same(untiled, tiled)
+
+
+def test_projection_forwards_under_checkpointing():
+    """Per step under non-reentrant checkpointing, each projection runs its forward once more than untiled (the
+    backward's replay of its shards), never twice more (NOTE [The attention's own forward runs])."""
+    model = _family("llama", checkpointed=True)
+    calls = {"n": 0}
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    original = type(q).forward
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(q, *args, **kwargs)
+
+    q.forward = counted
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def per_step(tiled: bool) -> int:
+        with tiled_attention.tile_model(model, shard_tokens=4) if tiled else torch.enable_grad():
+            _step(model, batch)  # warm-up: the first call's probes
+            calls["n"] = 0
+            _step(model, batch)
+        return calls["n"]
+
+    untiled, shards = per_step(False), 6
+    assert untiled == 2  # forward and recompute
+    assert per_step(True) == (untiled + 1) * shards  # forward, recompute, replay: each shard by shard
+
+
+def test_unknown_attention_runs_untiled(caplog):
+    """An attention without q/k/v/o children (a fused qkv) is left alone, with one line saying why."""
+
+    class Fused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            return self.qkv(x)[..., :8]
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.input_layernorm = Fused(), torch.nn.LayerNorm(8)
+
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ddp_patches"), ddp_patches.patched(tiled_attention=True):
+        assert tiled_attention.discover(Layer()) == []
+    assert "Fused runs untiled: no q_proj/k_proj/v_proj/o_proj submodule" in caplog.text
+
+
+def test_a_hooked_projection_runs_untiled_with_exact_gradients(caplog):
+    """A forward hook on q_proj would fire per shard on outputs without history: that call runs untiled, one line."""
+    import logging
+
+    model = _family("llama", checkpointed=False)
+    seen = []
+    model.get_base_model().model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: seen.append(o))
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids}
+    untiled = _step(model, batch)
+    before = tiled_attention.counts()["tiled_calls"]
+    with caplog.at_level(logging.WARNING, logger="ddp_patches"), tiled_attention.tile_model(model, shard_tokens=4):
+        tiled = _step(model, batch)
+    assert tiled_attention.counts()["tiled_calls"] - before == 1  # layer 1 only
+    assert "runs untiled: its submodule 'q_proj' has a forward or backward hook" in caplog.text
+    assert all(o.grad_fn is not None for o in seen)
+    _assert_same(untiled, tiled)
+
+
+def test_simulated_peak_falls():
+    """memsim's machinery on one Llama-shaped LoRA bf16 layer (benchmarks/tiled_attention_bytes.py, small
+    shape): tiled below the cheaper exact change (bf16 LoRA inputs), both below untiled
+    (NOTE [Attention tiled by bytes]; at Llama-8B and 262K tokens: 51.1, 37.1 and 31.0 GiB)."""
+    from benchmarks.tiled_attention_bytes import layer_peak
+
+    shape = dict(hidden=512, intermediate=1792, heads=8, kv_heads=2)
+    unit = 4096 * 512 * 2
+    peaks = {v: layer_peak(4096, v, **shape) / unit for v in ("untiled", "bf16-lora-inputs", "tiled")}
+    assert peaks["untiled"] > 25 and peaks["bf16-lora-inputs"] < 19.5 and peaks["tiled"] < 16, peaks
+
+
+def test_auto_rule():
+    assert tiled_attention.shard_sizes(4096 * 2, 4096, None) == [4096, 4096]
+    assert len(tiled_attention.shard_sizes(262144, 4096, None)) == tiled_attention.AUTO_SHARDS
+    assert tiled_attention.shard_sizes(4096, 4096, None) == [4096]  # untiled below 2 x hidden
+    assert tiled_attention.shard_sizes(10, 4096, 4) == [4, 3, 3]
+
+
+def test_single_process_is_untouched():
+    model = _family("llama", checkpointed=False)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    with ddp_patches.patched(tiled_attention=True, tiled_attention_shard_tokens=4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert tiled_attention.counts()["tiled_calls"] == 0
+
+
+def ddp_case(dtype: torch.dtype, ddp_kwargs: dict) -> dict:
+    from ddp_patches.verify.hf_models import lm_parity
+
+    def build():
+        from ddp_patches.verify.hf_models import build_lora_model
+
+        return build_lora_model("llama", {"use_reentrant": False}, dtype=dtype)
+
+    with ddp_patches.patched(tiled_attention=True, tiled_attention_shard_tokens=4):
+        result = lm_parity("llama", iters=2, reference_context=tiled_mlp.untiled, build=build,
+                           ddp_kwargs=ddp_kwargs).as_dict()
+        result["counts"] = tiled_attention.counts()
+    return result
+
+
+@pytest.mark.parametrize("dtype,tol,ddp_kwargs", [(torch.float64, 1e-9, {"find_unused_parameters": True}),
+                                                  (torch.float32, 1e-4, {}),
+                                                  (torch.float64, 1e-9, {"static_graph": True})])
+def test_ddp_parity_with_checkpointing(pool, dtype, tol, ddp_kwargs):
+    """2 ranks, different data each, compared every iteration with a single-process reference on the global batch
+    (run untiled), non-reentrant checkpointing on: gradients, losses and parameters match (a hook firing twice
+    would raise under find_unused and static_graph)."""
+    for r in pool.run(ddp_case, dtype=dtype, ddp_kwargs=ddp_kwargs):
+        assert r["max_rel_error"] <= tol, r
+        assert r["ranks_in_sync"]
+        assert r["counts"]["tiled_calls"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="QLoRA: bitsandbytes 4-bit layers need CUDA")
+def test_qlora_parity_on_cuda():  # pragma: no cover - CUDA only
+    from ddp_patches.verify.hf_models import build_lora_model
+
+    model = build_lora_model("llama", {"use_reentrant": False}, qlora=True).cuda()
+    ids = torch.randint(1, 60, (2, 12), generator=torch.Generator().manual_seed(3)).cuda()
+    batch = {"input_ids": ids, "labels": ids}
+    untiled = _step(model, batch)
+    with tiled_attention.tile_model(model, shard_tokens=4):
+        tiled = _step(model, batch)
+    _assert_same(untiled, tiled, tol=1e-4)
+
+
+def test_options_are_checked_and_revert_restores(caplog):
+    import logging
+
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm
+
+    with pytest.raises(TypeError, match="tiled_attention=...\\) expects True or False"):
+        ddp_patches.apply(tiled_attention="yes")
+    with pytest.raises(ValueError, match="tiled_attention_shard_tokens=...\\) expects None"):
+        ddp_patches.apply(tiled_attention=True, tiled_attention_shard_tokens=0)
+    with caplog.at_level(logging.WARNING, logger="ddp_patches"), ddp_patches.patched(tiled_attention_shard_tokens=8):
+        pass
+    assert "ignored because tiled_attention=False" in caplog.text
+    originals = LlamaAttention.forward, LlamaRMSNorm.forward
+    with ddp_patches.patched(tiled_attention=True, tiled_attention_shard_tokens=8):
+        model = _family("llama", checkpointed=False)  # found when built (post_init)
+        assert (LlamaAttention.forward, LlamaRMSNorm.forward) != originals
+        assert tiled_attention.discover(model) == []  # idempotent: already patched
+    assert (LlamaAttention.forward, LlamaRMSNorm.forward) == originals
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_an_inplace_edit_before_backward_raises_as_untiled(tiled):
+    """tiled_mlp's NOTE [The replay reads what the forward read]: torch's version check is kept."""
+    model = _family("llama", checkpointed=False)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    before = tiled_attention.counts()["tiled_calls"]
+    with tiled_attention.tile_model(model, shard_tokens=4) if tiled else torch.enable_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert tiled_attention.counts()["tiled_calls"] - before == (2 if tiled else 0)
+    with torch.no_grad():
+        model.get_base_model().model.layers[1].self_attn.k_proj.lora_A["default"].weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_functional_call_with_substituted_parameters_is_exact():
+    """Substituted LoRA weights (``functional_call``) get the untiled gradients: the replay reads what the
+    forward read."""
+    model = _family("llama", checkpointed=False)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
+    names = [n for n, p in model.named_parameters() if "lora_A" in n]
+    subs = {n: (dict(model.named_parameters())[n].detach() + 0.01).requires_grad_(True) for n in names}
+
+    def grads(tiled: bool) -> list:
+        with tiled_attention.tile_model(model, shard_tokens=4) if tiled else torch.enable_grad():
+            loss = torch.func.functional_call(model, subs, (), {"input_ids": ids, "labels": ids}).loss
+        return torch.autograd.grad(loss, list(subs.values()))
+
+    before = tiled_attention.counts()["tiled_calls"]
+    untiled, tiled = grads(False), grads(True)
+    assert tiled_attention.counts()["tiled_calls"] - before == 2
+    for a, b in zip(untiled, tiled):
+        assert float(a.abs().max()) > 0 and float((a - b).abs().max()) <= 1e-10 * float(a.abs().max())
