@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import checkpointing as _checkpointing_patch
+from . import chunked_loss as _chunked_loss_patch
 from . import engines as _engines
 from . import guard as _guard
 from .offload import offloader as _offload_patch
@@ -52,6 +53,7 @@ def apply(
     offload: bool | str = False,
     tiled_mlp: bool = False,
     tiled_mlp_shard_tokens: int | None = None,
+    chunked_loss: bool = False,
     offload_min_bytes: int = _offload_patch.DEFAULT_MIN_BYTES,
     offload_max_pinned_bytes: int | None = None,
     offload_prefetch_depth: int = _offload_patch.DEFAULT_PREFETCH_DEPTH,
@@ -92,6 +94,11 @@ def apply(
         tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: the rule by bytes,
             min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2
             (NOTE [Tiling by bytes]). Used with ``tiled_mlp``.
+        chunked_loss: in training, a transformers causal LM (found by structure; VLMs and PEFT-wrapped models
+            included) called with ``labels`` computes its loss from the final hidden states in chunks of tokens,
+            never building the full logits or their float32 copy; its output's ``logits`` is then None. Acts in a
+            single process too (a memory option) and under DDP; steps aside with one line wherever the logits are
+            read or cannot be matched (NOTE [When the chunked loss acts] in ddp_patches/chunked_loss.py).
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the
@@ -100,6 +107,7 @@ def apply(
             the second optimizer step and then before every this-many-th (0: never).
     """
     options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
+    options.update(_validate_chunked_loss(chunked_loss))
     if options["offload"] == "auto":
         log_rank0_once("offload-auto", logging.WARNING, "ddp_patches: offload='auto' now means offload=False "
                        "(%s); pass offload=True to turn it on", _offload_patch.WHY_OPT_IN)
@@ -124,6 +132,8 @@ def apply(
             installed += _reducer_patch.install()
         if options["tiled_mlp"]:
             installed += _tiled_mlp_patch.install(shard_tokens=options["tiled_mlp_shard_tokens"])
+        if options["chunked_loss"]:
+            installed += _chunked_loss_patch.install()
         if options["offload"] is not False:
             installed += _offload_patch.install(
                 explicit=options["offload"] is True,
@@ -220,6 +230,12 @@ def _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens
         "tiled_mlp": tiled_mlp,
         "tiled_mlp_shard_tokens": tiled_mlp_shard_tokens,
     }
+
+
+def _validate_chunked_loss(chunked_loss) -> dict:
+    if not isinstance(chunked_loss, bool):
+        raise TypeError(f"ddp_patches.apply(chunked_loss=...) expects True or False, got {chunked_loss!r}")
+    return {"chunked_loss": chunked_loss}
 
 
 def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:

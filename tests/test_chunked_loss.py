@@ -1,0 +1,345 @@
+"""apply(chunked_loss=True): the LM loss from the final hidden states in chunks, exact against transformers' own
+loss in one process and under DDP (raw DDP, HF Trainer with accumulation and num_items_in_batch), stepping aside
+where the logits are read or transformed, and never holding the full float32 logits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ddp_patches
+from ddp_patches import chunked_loss
+from ddp_patches.verify.hf_models import build_causal_lm, tiny_config
+
+VOCAB = 64
+
+
+def _batch(seed: int, rows: int = 2, seq: int = 12) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # a prompt, and padding: the mean over tokens differs from the mean over rows
+    labels[-1, -3:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _grads(model, batch: dict, **kwargs) -> tuple[torch.Tensor, dict]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp(min=1e-30)).item() for n in a)
+
+
+def _lora_lm(lm_head: bool):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = build_causal_lm("llama", dtype=torch.float64)
+    targets = ["q_proj", "v_proj"] + (["lm_head"] if lm_head else [])
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_items_in_batch": torch.tensor(9)}, "shift_labels"],
+                         ids=["mean", "num_items_in_batch", "shift_labels"])
+@pytest.mark.parametrize("lm_head", [False, True], ids=["lora", "lora-on-lm_head"])
+def test_lora_on_lm_head_gradients_and_one_hook_each(kwargs, lm_head):
+    batch = _batch(1)
+    if kwargs == "shift_labels":
+        kwargs = {"shift_labels": torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:].contiguous()}
+        batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    ref_out, ref = _grads(_lora_lm(lm_head), batch, **kwargs)
+    with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(5):
+        model = _lora_lm(lm_head)
+        fired: dict[str, int] = {}
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda p, n=n: fired.__setitem__(n, fired.get(n, 0) + 1))
+        out, got = _grads(model, batch, **kwargs)
+        assert chunked_loss.counts() == {"chunked_calls": 1, "chunks": 5}  # 24 tokens in chunks of at most 5
+    assert out.logits is None
+    assert torch.allclose(out.loss, ref_out.loss, rtol=1e-6, atol=0)  # transformers upcasts logits to float32
+    assert _rel(got, ref) < 1e-6
+    assert set(fired.values()) == {1} and len(fired) == len(got)
+    assert any("lm_head" in n for n in got) == lm_head
+
+
+def test_single_process_eval_and_no_labels_are_untouched():
+    torch.manual_seed(0)
+    model = build_causal_lm("llama")
+    batch = _batch(2)
+    with ddp_patches.patched(chunked_loss=True):
+        model.eval()
+        assert model(**batch).logits.shape == (2, 12, VOCAB)
+        model.train()
+        assert model(input_ids=batch["input_ids"]).logits.shape == (2, 12, VOCAB)
+        with torch.no_grad():
+            assert model(**batch).logits is not None
+        assert chunked_loss.counts()["chunked_calls"] == 0
+        assert model(**batch).logits is None
+    assert model(**batch).logits is not None  # reverted
+
+
+def _edits_logits_class():
+    from transformers import LlamaForCausalLM
+
+    class EditsLogits(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(hidden) * 0.5
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=VOCAB, **kwargs)
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    return EditsLogits
+
+
+def test_a_forward_that_edits_the_logits_runs_unchunked(caplog):
+    from transformers import AutoModelForCausalLM
+
+    cls = _edits_logits_class()
+    batch = _batch(3)
+    torch.manual_seed(0)
+    ref_out, ref = _grads(cls(tiny_config("llama")).double(), batch)
+    gemma_config = tiny_config("llama").to_dict() | {"model_type": "gemma2", "head_dim": 8}
+    from transformers import Gemma2Config
+
+    with caplog.at_level(logging.INFO, logger="ddp_patches"), ddp_patches.patched(chunked_loss=True):
+        torch.manual_seed(0)
+        model = cls(tiny_config("llama")).double()
+        for _ in range(2):  # the second call no longer tries
+            out, got = _grads(model, batch)
+            assert out.logits is not None and _rel(got, ref) < 1e-12
+        gemma = AutoModelForCausalLM.from_config(Gemma2Config(**{k: v for k, v in gemma_config.items()
+                                                                  if k != "model_type"}))
+        assert gemma.config.final_logit_softcapping is not None
+        assert _grads(gemma, batch)[0].logits is not None
+        assert chunked_loss.counts()["chunked_calls"] == 0
+    lines = [r.getMessage() for r in caplog.records if "chunked loss steps aside" in r.getMessage()]
+    assert any("uses the logits other than as the loss's input (mul)" in line for line in lines), lines
+    assert any("final_logit_softcapping" in line for line in lines), lines
+    assert len(lines) == 2
+
+
+def compute_loss(model, batch):  # a Trainer subclass's compute_loss that reads the logits, as TRL's once did
+    outputs = model(**batch)
+    return outputs.loss, outputs.logits.argmax(-1)
+
+
+def test_steps_aside_where_logits_are_read(caplog):
+    torch.manual_seed(0)
+    model = build_causal_lm("llama")
+    with caplog.at_level(logging.INFO, logger="ddp_patches"), ddp_patches.patched(chunked_loss=True):
+        model.train()
+        loss, predictions = compute_loss(model, _batch(4))
+        assert predictions.shape == (2, 12) and chunked_loss.counts()["chunked_calls"] == 0
+    assert any("compute_loss reads logits" in r.getMessage() for r in caplog.records)
+
+
+def test_vlm_language_model_chunks():
+    from ddp_patches.verify.vlm_models import build_vlm, vlm_batch
+
+    batch = vlm_batch("qwen2_vl", 0, 0, 0)
+    torch.manual_seed(0)
+    ref_out, ref = _grads(build_vlm("qwen2_vl", dtype=torch.float64), batch)
+    with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(7):
+        torch.manual_seed(0)
+        out, got = _grads(build_vlm("qwen2_vl", dtype=torch.float64), batch)
+        assert chunked_loss.counts()["chunked_calls"] == 1
+    assert out.logits is None and torch.allclose(out.loss, ref_out.loss, rtol=1e-6, atol=0)
+    assert _rel(got, ref) < 1e-6
+
+
+class _PeakBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The largest tensor any op creates (bytes), and the peak of the bytes alive at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t._base is None:
+                size = t.untyped_storage().nbytes()
+                self.largest = max(self.largest, size)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, size)
+        return out
+
+    def _free(self, size):
+        self.live -= size
+
+
+def test_chunk_rule_and_peak_bytes():
+    # NOTE [Chunks by shapes]: Llama-3.1-8B at 64K tokens, 32 chunks of 2048 tokens
+    assert chunked_loss.chunk_sizes(65536, 4096, 128256) == [2048] * 32
+    assert chunked_loss.chunk_sizes(7, 32, 64, 3) == [3, 2, 2]
+    rows, hidden, vocab = 512, 16, 2048
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    h = torch.randn(1, rows, hidden, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, rows))
+    full_fp32 = rows * vocab * 4
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    with _PeakBytes() as unchunked:
+        ForCausalLMLoss(head(h), labels, vocab).backward()
+    with _PeakBytes() as chunked:
+        chunked_loss.chunked_causal_lm_loss(chunked_loss._Head(head, head.forward), h, labels, (head.weight,)) \
+            .backward()
+    assert unchunked.largest >= full_fp32
+    assert chunked.largest < full_fp32 / 8  # 128 chunks of 4 tokens: no [tokens, V] tensor at all
+    assert chunked.peak < unchunked.peak / 2
+
+
+# -- DDP ------------------------------------------------------------------------------------------------------------
+def _padded_lm_batch(rank: int, it: int, micro: int) -> dict:
+    batch = _batch(10_000 * rank + 100 * it + micro)
+    batch["labels"][0, :(rank + it) % 4 + 1] = -100  # other positions per rank, the same count in each row pair
+    batch["labels"][1, -((rank + it) % 4 + 1):] = -100
+    batch["labels"][0, -4:] = -100
+    return batch
+
+
+def raw_ddp_case(lm_head: bool, ddp_kwargs: dict) -> dict:
+    from ddp_patches.verify.hf_models import lm_parity
+
+    with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(5):
+        result = lm_parity("llama", {"use_reentrant": True}, ddp_kwargs=ddp_kwargs, accum=2, iters=2,
+                           reference_context=chunked_loss.unchunked, build=lambda: _lora_lm(lm_head),
+                           batch=_padded_lm_batch)
+        return {**result.as_dict(), "counts": chunked_loss.counts()}
+
+
+@pytest.mark.parametrize("lm_head,ddp_kwargs", [(True, {}), (True, {"static_graph": True}),
+                                                (False, {"find_unused_parameters": True})],
+                         ids=["lora-on-lm_head", "static-graph", "find-unused"])
+def test_raw_ddp_parity(pool, lm_head, ddp_kwargs):
+    for r in pool.run(raw_ddp_case, lm_head=lm_head, ddp_kwargs=ddp_kwargs):
+        assert r["iterations"] == 2 and r["ranks_in_sync"]
+        assert r["max_rel_error"] < 1e-6, r
+        assert r["counts"]["chunked_calls"] == 4  # the reference's calls ran unchunked
+
+
+def trainer_case(kind: str, chunked: bool) -> dict:
+    """HF Trainer (gradient_accumulation_steps=2, num_items_in_batch over padded labels) or TRL's SFTTrainer on
+    2 ranks; the gradients of every optimizer step, as each rank holds them after the all-reduce."""
+    from transformers import TrainerCallback
+
+    from ddp_patches.verify import trainer_runs
+    from datasets import Dataset
+
+    grads: list[list[float]] = []
+
+    class Record(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append([p.grad.double().sum().item() for p in model.parameters() if p.requires_grad])
+
+    def setup(ckpt_kwargs, text_only=False):
+        from ddp_patches.verify.hf_models import build_lora_model
+
+        torch.manual_seed(0)
+        model = build_lora_model("llama", ckpt_kwargs, dtype=torch.float32)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, VOCAB, (16, 12), generator=g)
+        labels = ids.clone()
+        for i in range(16):
+            labels[i, : i % 7] = -100
+        return model, Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()}), \
+            {"callbacks": [Record()]}
+
+    with ddp_patches.patched(chunked_loss=chunked), chunked_loss.chunk_rows(5):
+        result = trainer_runs.train(kind, ckpt_kwargs={"use_reentrant": True}, accum=2, steps=2, setup=setup)
+        return {**result, "grads": grads, "counts": chunked_loss.counts()}
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_trainers_parity_with_the_unchunked_loss(pool, kind):
+    chunked = pool.run(trainer_case, kind=kind, chunked=True)
+    plain = pool.run(trainer_case, kind=kind, chunked=False)
+    for c, p in zip(chunked, plain):
+        assert c["steps"] == 2 and c["lora_in_sync"]
+        assert len(c["grads"]) == 2
+        for gc, gp in zip(c["grads"], p["grads"]):
+            assert gc == pytest.approx(gp, rel=1e-4, abs=1e-6)
+        assert c["losses"] == pytest.approx(p["losses"], rel=1e-5)
+    # The Trainer's forward gets labels: chunked (2 ranks x 2 steps x 2 micro-steps). TRL's SFTTrainer runs its own
+    # fused LM head, which calls the backbone and never the model's forward with labels: not reached.
+    assert chunked[0]["counts"]["chunked_calls"] == (4 if kind == "trainer" else 0)
+
+
+def dpo_case(chunked: bool) -> dict:
+    """TRL's DPOTrainer (LoRA, accumulation 2) on 2 ranks: the gradients of every optimizer step."""
+    import torch.distributed as dist
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from ddp_patches.verify.hf_models import _barrier, _shared_tmpdir
+    from tools.clients import build_datasets, build_model_dir
+
+    grads: list[list[float]] = []
+
+    class Record(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append([p.grad.double().sum().item() for p in model.parameters() if p.requires_grad])
+
+    with _shared_tmpdir() as root, ddp_patches.patched(chunked_loss=chunked), chunked_loss.chunk_rows(5):
+        if dist.get_rank() == 0:
+            build_model_dir(f"{root}/model")
+            build_datasets(f"{root}/data", rows=8)
+        _barrier()
+        args = DPOConfig(output_dir=f"{root}/out", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                         max_steps=2, learning_rate=1e-2, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+                         max_length=32, logging_steps=1, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        torch.manual_seed(0)
+        trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(f"{root}/model"), args=args,
+                             train_dataset=Dataset.from_json(f"{root}/data/dpo/train.jsonl"),
+                             processing_class=AutoTokenizer.from_pretrained(f"{root}/model"), callbacks=[Record()],
+                             peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                    task_type="CAUSAL_LM"))
+        trainer.train()
+        _barrier()
+        return {"grads": grads, "counts": chunked_loss.counts()}
+
+
+def test_dpo_trainer_is_not_reached_and_trains_as_without(pool):
+    # DPO reads log-probs: TRL computes them with its own fused LM head (chunked), which never calls the model's
+    # forward with labels; the chunked loss is not reached and the gradients are those of a run without it.
+    chunked = pool.run(dpo_case, chunked=True)
+    plain = pool.run(dpo_case, chunked=False)
+    for c, p in zip(chunked, plain):
+        assert c["counts"]["chunked_calls"] == 0 and len(c["grads"]) == 2
+        assert c["grads"] == p["grads"]
+
+
+def accelerate_case() -> dict:
+    """accelerate's Accelerator(cpu=True).prepare (DDP) against a single-process replica on the global batch."""
+    from accelerate import Accelerator
+
+    from ddp_patches.verify.hf_models import lm_parity
+
+    with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(5):
+        accelerator = Accelerator(cpu=True)
+        result = lm_parity("llama", {"use_reentrant": True}, accum=2, iters=2, reference_context=chunked_loss.unchunked,
+                           build=lambda: _lora_lm(True), batch=_padded_lm_batch,
+                           wrap=lambda model, **kwargs: accelerator.prepare(model))
+        return {**result.as_dict(), "counts": chunked_loss.counts()}
+
+
+def test_accelerate_parity(pool):
+    for r in pool.run(accelerate_case):
+        assert r["iterations"] == 2 and r["ranks_in_sync"] and r["max_rel_error"] < 1e-6, r
+        assert r["counts"]["chunked_calls"] == 4
