@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import logging
 import math
+import os
 import sys
 from typing import Callable
 
@@ -89,8 +90,8 @@ def chunk_sizes(rows: int, hidden: int, vocab: int, chunk_rows_: int | None = No
 # hook), keeps grad_hidden ([tokens, H], the size of the hidden states) and one summed gradient per parameter,
 # and drops the chunk's logits. Every trainable head parameter is an input of the Function, so its backward only
 # scales the kept gradients by the incoming one and returns them once: no recompute in backward, one hook each
-# (find_unused True/False, static_graph, no_sync and bucket views hold as in NOTE [Why the parameters are inputs of
-# the Function]). A second-order backward through it raises (its gradients are constants).
+# (find_unused True/False, static_graph, no_sync and bucket views hold, as for the tiled MLP:
+# NOTE [Why the parameters are inputs of the Function]). A second-order backward through it raises.
 # Test: tests/test_chunked_loss.py::test_lora_on_lm_head_gradients_and_one_hook_each.
 class ChunkedCrossEntropy(torch.autograd.Function):
     """``sum(cross_entropy(head(h2d[c]).float(), target[c], ignore_index, reduction="sum") for c in chunks)``.
@@ -279,11 +280,14 @@ class _Call:
 # not a DDP fix) or DDP, and no ``compute_loss`` on the stack other than transformers' reads ``logits`` (TRL
 # before its fused head computed token accuracy from them). Then ``logits`` is None, said once at INFO; every
 # step-aside is one line on rank 0, once per reason. Where labels are not passed -- Trainer's label smoothing and
-# ``compute_loss_func``, TRL's own fused LM head (SFT, DPO) and its log-prob forwards -- it is not reached.
+# ``compute_loss_func`` -- it is not reached; nor where TRL (SFT, DPO: its fused LM head) or Liger replaced the
+# model's forward and chunk themselves: one INFO line says so when DDP wraps such a model (``note_fused``).
 # Test: tests/test_chunked_loss.py::test_steps_aside_where_logits_are_read.
 def _step_aside(key: str, level: int, why: str) -> None:
-    log_rank0_once(f"chunked-{key}", level, "ddp_patches: chunked loss steps aside: %s (NOTE [When the chunked loss "
-                   "acts] in ddp_patches/chunked_loss.py)", why)
+    log_rank0_once(f"chunked-{key}", level, "ddp_patches: chunked loss steps aside: %s (%s)", why, _SEE)
+
+
+_SEE = "NOTE [When the chunked loss acts] in ddp_patches/chunked_loss.py"
 
 
 def _class_problem(model: torch.nn.Module) -> str | None:
@@ -366,8 +370,8 @@ def _make_forward(original_forward: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         labels = kwargs.get("labels")
         head = (vars(self).get("_modules") or {}).get("lm_head")
-        if labels is None or not self.training or not torch.is_grad_enabled() or head is None or _settings["unchunked"] \
-                or engines.compiling() or _verdicts.get(type(self)) is not None:
+        if labels is None or not self.training or not torch.is_grad_enabled() or head is None \
+                or _settings["unchunked"] or engines.compiling() or _verdicts.get(type(self)) is not None:
             return original_forward(self, *args, **kwargs)
         aside = _why_not(self, labels)
         if aside is not None:
@@ -408,9 +412,40 @@ def _run_chunked(model, head, original_forward, args, kwargs):
         return original_forward(model, *args, **kwargs)
     if call.used:
         log_rank0_once("chunked-acts", logging.INFO, "ddp_patches: chunked loss: %s computes its training loss in "
-                       "chunks of tokens; its output's logits are None in those calls (NOTE [When the chunked loss "
-                       "acts] in ddp_patches/chunked_loss.py)", type(model).__qualname__)
+                       "chunks of tokens; its output's logits are None in those calls (%s)", type(model).__qualname__,
+                       _SEE)
+    elif call.placeholder is None:
+        _step_aside(f"fused-{type(model).__qualname__}", logging.INFO,
+                    f"{type(model).__qualname__}'s forward computed its output without calling lm_head (a fused "
+                    "head, such as Liger's fused linear cross entropy, already avoids the full logits)")
     return call.finish(output)
+
+
+def note_fused(model: torch.nn.Module) -> None:
+    """One INFO line for each model whose forward another library replaced on the instance (TRL's fused LM head
+    for SFT and DPO, Liger's): its training loss never reaches the patched forward (NOTE [When the chunked loss
+    acts]). Called when DDP wraps a module; a no-op unless apply(chunked_loss=True)."""
+    if not enabled():
+        return
+    for m in model.modules():
+        forward = vars(m).get("forward")
+        if forward is None or "lm_head" not in (vars(m).get("_modules") or {}):
+            continue
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)  # its own, not functools.wraps'
+        where = "?" if code is None else \
+            f"{code.co_filename.replace(os.sep, '/').rsplit('site-packages/', 1)[-1]}:{code.co_name}"
+        _step_aside(f"instance-{type(m).__qualname__}-{where}", logging.INFO,
+                    f"{type(m).__qualname__}'s forward is replaced on the instance by {where} (TRL's fused LM head "
+                    "and Liger compute the loss in chunks themselves); the model's own forward is not reached")
+
+
+def enabled() -> bool:
+    """apply(chunked_loss=True) is in effect."""
+    if sys.modules.get("transformers") is None:
+        return False
+    from transformers import PreTrainedModel
+
+    return REGISTRY.is_patched(PreTrainedModel, "__init__")
 
 
 _MISSING = object()

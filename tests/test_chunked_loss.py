@@ -259,9 +259,19 @@ def trainer_case(kind: str, chunked: bool) -> dict:
         return model, Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()}), \
             {"callbacks": [Record()]}
 
-    with ddp_patches.patched(chunked_loss=chunked), chunked_loss.chunk_rows(5):
-        result = trainer_runs.train(kind, ckpt_kwargs={"use_reentrant": True}, accum=2, steps=2, setup=setup)
-        return {**result, "grads": grads, "counts": chunked_loss.counts()}
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("ddp_patches")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        with ddp_patches.patched(chunked_loss=chunked), chunked_loss.chunk_rows(5):
+            result = trainer_runs.train(kind, ckpt_kwargs={"use_reentrant": True}, accum=2, steps=2, setup=setup)
+            return {**result, "grads": grads, "counts": chunked_loss.counts(),
+                    "lines": [line for line in lines if "chunked loss" in line]}
+    finally:
+        log.removeHandler(handler)
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
@@ -277,6 +287,11 @@ def test_trainers_parity_with_the_unchunked_loss(pool, kind):
     # The Trainer's forward gets labels: chunked (2 ranks x 2 steps x 2 micro-steps). TRL's SFTTrainer runs its own
     # fused LM head, which calls the backbone and never the model's forward with labels: not reached.
     assert chunked[0]["counts"]["chunked_calls"] == (4 if kind == "trainer" else 0)
+    expected = "computes its training loss in chunks" if kind == "trainer" else \
+        "forward is replaced on the instance by trl/trainer/utils.py:_fused_forward"
+    lines = [line for line in chunked[0]["lines"] if " found (" not in line]  # a class imported after apply()
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert chunked[1]["lines"] == []  # rank 0 only
 
 
 def dpo_case(chunked: bool) -> dict:
