@@ -63,8 +63,8 @@ def apply(
 ) -> ApplyReport:
     """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
 
-    Nothing changes in a process that is not distributed: every patch asks at call time whether a process
-    group with world size > 1 exists, and which engine runs the model it acts for (DDP, FSDP2, FSDP1,
+    Nothing changes in a process that is not distributed (``chunked_loss``, a memory option, aside): every patch
+    asks at call time whether a process group with world size > 1 exists, and which engine runs the model it acts for (DDP, FSDP2, FSDP1,
     DeepSpeed, torch.compile); it acts only under the engines where it is proven and otherwise steps aside
     with one WARNING line (NOTE [Engines] in ddp_patches/engines.py; the report names the expected engine).
     Calling apply() again with the same options does nothing; with other options it reverts and re-applies.

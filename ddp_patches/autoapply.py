@@ -90,6 +90,7 @@ OPTIONS: dict[str, Callable[[str], object]] = {
     "offload_max_in_flight": _at_least_one,
     "tiled_mlp": _bool,
     "tiled_mlp_shard_tokens": _count_or_auto,
+    "chunked_loss": _bool,
     "on_unsynced": _on_unsynced,  # ddp_patches/guard.py, ddp_patches/replica_check.py
     "replica_check_every": _count,
 }

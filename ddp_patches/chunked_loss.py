@@ -423,8 +423,8 @@ def _run_chunked(model, head, original_forward, args, kwargs):
 
 def note_fused(model: torch.nn.Module) -> None:
     """One INFO line for each model whose forward another library replaced on the instance (TRL's fused LM head
-    for SFT and DPO, Liger's): its training loss never reaches the patched forward (NOTE [When the chunked loss
-    acts]). Called when DDP wraps a module; a no-op unless apply(chunked_loss=True)."""
+    for SFT and DPO, Liger's): its training loss never reaches the patched forward
+    (NOTE [When the chunked loss acts]). Called when DDP wraps a module; a no-op unless apply(chunked_loss=True)."""
     if not enabled():
         return
     for m in model.modules():
