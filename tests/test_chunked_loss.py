@@ -274,6 +274,7 @@ def trainer_case(kind: str, chunked: bool) -> dict:
         log.removeHandler(handler)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
 def test_trainers_parity_with_the_unchunked_loss(pool, kind):
     chunked = pool.run(trainer_case, kind=kind, chunked=True)
@@ -330,6 +331,7 @@ def dpo_case(chunked: bool) -> dict:
         return {"grads": grads, "counts": chunked_loss.counts()}
 
 
+@pytest.mark.slow
 def test_dpo_trainer_is_not_reached_and_trains_as_without(pool):
     # DPO reads log-probs: TRL computes them with its own fused LM head (chunked), which never calls the model's
     # forward with labels; the chunked loss is not reached and the gradients are those of a run without it.
