@@ -360,3 +360,25 @@ def test_accelerate_parity(pool):
     for r in pool.run(accelerate_case):
         assert r["iterations"] == 2 and r["ranks_in_sync"] and r["max_rel_error"] < 1e-6, r
         assert r["counts"]["chunked_calls"] == 4
+
+
+def test_tied_embeddings_full_training_one_hook_each():
+    from transformers import AutoModelForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        config = tiny_config("llama")
+        config.tie_word_embeddings = True
+        return AutoModelForCausalLM.from_config(config).double()
+
+    batch = _batch(5)
+    ref_out, ref = _grads(build(), batch)
+    with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(7):
+        model = build()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        fired: dict[str, int] = {}
+        for n, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=n: fired.__setitem__(n, fired.get(n, 0) + 1))
+        out, got = _grads(model, batch)
+    assert out.logits is None and _rel(got, ref) < 1e-6
+    assert set(fired.values()) == {1} and len(fired) == len(got)
