@@ -32,7 +32,7 @@ _settings: dict = {"chunk_rows": None, "unchunked": 0}
 # table is about the DDP fixes (its "no engine" row acts nowhere); other engines step aside with one WARNING.
 ACTS_UNDER = (engines.NONE, engines.DDP)
 _counts = {"chunked_calls": 0, "chunks": 0}
-_verdicts: dict[type, str | None] = {}  # class -> None (chunks) or why not; decided at its first training call
+_verdicts: dict[type, str] = {}  # class -> why its forward runs unchunked (it used the logits: NOTE [Deferred logits])
 # Config attributes of models whose forward changes the logits between lm_head and the loss (Gemma-2's softcap,
 # Cohere's and Granite's scales, ...), as TRL's own fused head reads them.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
@@ -290,15 +290,13 @@ def _step_aside(key: str, level: int, why: str) -> None:
 _SEE = "NOTE [When the chunked loss acts] in ddp_patches/chunked_loss.py"
 
 
-def _class_problem(model: torch.nn.Module) -> str | None:
-    cls = type(model)
-    if cls not in _verdicts:
-        config = getattr(model, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        found = [a for a in _LOGIT_TRANSFORMS if getattr(text, a, None) not in (None, 1, 1.0)]
-        _verdicts[cls] = f"{cls.__qualname__} changes its logits before the loss ({found[0]} in its config)" \
-            if found else None
-    return _verdicts[cls]
+def _config_problem(model: torch.nn.Module) -> str | None:
+    """A logit transform the config declares (read per instance: one class, configs with and without)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = [a for a in _LOGIT_TRANSFORMS if getattr(text, a, None) not in (None, 1, 1.0)]
+    return f"{type(model).__qualname__} changes its logits before the loss ({found[0]} in its config)" \
+        if found else None
 
 
 def _loss_problem(model: torch.nn.Module) -> str | None:
@@ -350,14 +348,14 @@ def _stack_reads_logits() -> str | None:
     return None
 
 
-def _why_not(model: torch.nn.Module, labels) -> tuple[str, int, str] | None:
-    """(key, level, why) of a step-aside, else None; silent (None, None) cases are filtered before."""
+def _why_not(model: torch.nn.Module) -> tuple[str, int, str] | None:
+    """(key, level, why) of a step-aside, else None. An engine outside ACTS_UNDER says so itself (why: "")."""
     engine = engines.of_module(model)
     if engine not in ACTS_UNDER:
         engines.step_aside("chunked_loss", engine)
-        return ("engine", 0, "")
+        return ("engine", logging.WARNING, "")
     head = vars(model)["_modules"]["lm_head"]
-    for key, level, problem in (("class", logging.INFO, _class_problem(model)),
+    for key, level, problem in (("config", logging.INFO, _config_problem(model)),
                                 ("loss", logging.INFO, _loss_problem(model)),
                                 ("head", logging.WARNING, _head_problem(head)),
                                 ("stack", logging.INFO, _stack_reads_logits())):
@@ -373,7 +371,7 @@ def _make_forward(original_forward: Callable) -> Callable:
         if labels is None or not self.training or not torch.is_grad_enabled() or head is None \
                 or _settings["unchunked"] or engines.compiling() or _verdicts.get(type(self)) is not None:
             return original_forward(self, *args, **kwargs)
-        aside = _why_not(self, labels)
+        aside = _why_not(self)
         if aside is not None:
             key, level, why = aside
             if why:

@@ -93,7 +93,8 @@ def step_aside(patch: str, engine: str) -> None:
 
 
 _LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)", "offload": "activation offload",
-           "tiled_mlp": "the tiled MLP", "reducer": "the unused-parameter rescue"}
+           "tiled_mlp": "the tiled MLP", "reducer": "the unused-parameter rescue",
+           "chunked_loss": "the chunked LM loss (ddp_patches/chunked_loss.py: it acts in one process and under DDP)"}
 
 
 # -- detection -------------------------------------------------------------------------------------------------

@@ -144,6 +144,19 @@ def test_steps_aside_where_logits_are_read(caplog):
     assert any("compute_loss reads logits" in r.getMessage() for r in caplog.records)
 
 
+def test_other_engines_step_aside_with_one_warning(caplog):
+    from ddp_patches import engines
+
+    torch.manual_seed(0)
+    model = build_causal_lm("llama").train()
+    with caplog.at_level(logging.INFO, logger="ddp_patches"), ddp_patches.patched(chunked_loss=True), \
+            engines.acting_as(engines.FSDP2):
+        for _ in range(2):
+            assert model(**_batch(6)).logits is not None
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "the chunked LM loss" in lines[0] and "FSDP2" in lines[0], lines
+
+
 def test_vlm_language_model_chunks():
     from ddp_patches.verify.vlm_models import build_vlm, vlm_batch
 
