@@ -141,7 +141,11 @@ def test_steps_aside_where_logits_are_read(caplog):
         model.train()
         loss, predictions = compute_loss(model, _batch(4))
         assert predictions.shape == (2, 12) and chunked_loss.counts()["chunked_calls"] == 0
-    assert any("compute_loss reads logits" in r.getMessage() for r in caplog.records)
+        model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().logsumexp(-1).mean()
+        assert model(**_batch(4)).logits is not None and chunked_loss.counts()["chunked_calls"] == 0
+    lines = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
+    assert len(lines) == 2 and "compute_loss reads logits" in lines[0], lines
+    assert "not transformers' ForCausalLMLoss" in lines[1], lines
 
 
 def test_other_engines_step_aside_with_one_warning(caplog):
@@ -157,15 +161,16 @@ def test_other_engines_step_aside_with_one_warning(caplog):
     assert len(lines) == 1 and "the chunked LM loss" in lines[0] and "FSDP2" in lines[0], lines
 
 
-def test_vlm_language_model_chunks():
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_vlm_language_model_chunks(family):
     from ddp_patches.verify.vlm_models import build_vlm, vlm_batch
 
-    batch = vlm_batch("qwen2_vl", 0, 0, 0)
+    batch = vlm_batch(family, 0, 0, 0)
     torch.manual_seed(0)
-    ref_out, ref = _grads(build_vlm("qwen2_vl", dtype=torch.float64), batch)
+    ref_out, ref = _grads(build_vlm(family, dtype=torch.float64), batch)
     with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(7):
         torch.manual_seed(0)
-        out, got = _grads(build_vlm("qwen2_vl", dtype=torch.float64), batch)
+        out, got = _grads(build_vlm(family, dtype=torch.float64), batch)
         assert chunked_loss.counts()["chunked_calls"] == 1
     assert out.logits is None and torch.allclose(out.loss, ref_out.loss, rtol=1e-6, atol=0)
     assert _rel(got, ref) < 1e-6
