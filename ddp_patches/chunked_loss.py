@@ -280,7 +280,7 @@ class _Call:
 # not a DDP fix) or DDP, and no ``compute_loss`` on the stack other than transformers' reads ``logits`` (TRL
 # before its fused head computed token accuracy from them). Then ``logits`` is None, said once at INFO; every
 # step-aside is one line on rank 0, once per reason. Where labels are not passed -- Trainer's label smoothing and
-# ``compute_loss_func`` -- it is not reached; nor where TRL (SFT, DPO: its fused LM head) or Liger replaced the
+# ``compute_loss_func`` -- it is not reached (one INFO line); nor where TRL (SFT, DPO: its fused LM head) or Liger replaced the
 # model's forward and chunk themselves: one INFO line says so when DDP wraps such a model (``note_fused``).
 # Test: tests/test_chunked_loss.py::test_steps_aside_where_logits_are_read.
 def _step_aside(key: str, level: int, why: str) -> None:
@@ -348,6 +348,25 @@ def _stack_reads_logits() -> str | None:
     return None
 
 
+def _note_loss_outside() -> None:
+    """One INFO line where a Trainer takes the labels out of the forward to compute the loss from the logits
+    itself (label smoothing, ``compute_loss_func``): the chunked loss is not reached there."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "compute_loss":
+            owner = frame.f_locals.get("self")
+            for attr, what in (("label_smoother", "label smoothing"), ("compute_loss_func", "compute_loss_func")):
+                if getattr(owner, attr, None) is not None:
+                    _step_aside(f"outside-{attr}", logging.INFO,
+                                f"{type(owner).__qualname__} computes the loss from the logits itself ({what}): the "
+                                "model's forward gets no labels, and the logits are built")
+                    return
+            return
+        frame = frame.f_back
+
+
 def _why_not(model: torch.nn.Module) -> tuple[str, int, str] | None:
     """(key, level, why) of a step-aside, else None. An engine outside ACTS_UNDER says so itself (why: "")."""
     engine = engines.of_module(model)
@@ -368,6 +387,9 @@ def _make_forward(original_forward: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         labels = kwargs.get("labels")
         head = (vars(self).get("_modules") or {}).get("lm_head")
+        if labels is None and self.training and head is not None and torch.is_grad_enabled() \
+                and not engines.compiling():
+            _note_loss_outside()
         if labels is None or not self.training or not torch.is_grad_enabled() or head is None \
                 or _settings["unchunked"] or engines.compiling() or _verdicts.get(type(self)) is not None:
             return original_forward(self, *args, **kwargs)

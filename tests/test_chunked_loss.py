@@ -134,6 +134,15 @@ def compute_loss(model, batch):  # a Trainer subclass's compute_loss that reads 
     return outputs.loss, outputs.logits.argmax(-1)
 
 
+class _SmoothingTrainer:  # what Trainer.compute_loss does with label smoothing: the labels are taken out
+    label_smoother = object()
+
+    def compute_loss(self, model, inputs):
+        inputs = dict(inputs)
+        inputs.pop("labels")
+        return model(**inputs).logits
+
+
 def test_steps_aside_where_logits_are_read(caplog):
     torch.manual_seed(0)
     model = build_causal_lm("llama")
@@ -143,9 +152,12 @@ def test_steps_aside_where_logits_are_read(caplog):
         assert predictions.shape == (2, 12) and chunked_loss.counts()["chunked_calls"] == 0
         model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().logsumexp(-1).mean()
         assert model(**_batch(4)).logits is not None and chunked_loss.counts()["chunked_calls"] == 0
+        for _ in range(2):
+            assert _SmoothingTrainer().compute_loss(model, _batch(4)).shape == (2, 12, VOCAB)
     lines = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
-    assert len(lines) == 2 and "compute_loss reads logits" in lines[0], lines
+    assert len(lines) == 3 and "compute_loss reads logits" in lines[0], lines
     assert "not transformers' ForCausalLMLoss" in lines[1], lines
+    assert "_SmoothingTrainer computes the loss from the logits itself (label smoothing)" in lines[2], lines
 
 
 def test_other_engines_step_aside_with_one_warning(caplog):
