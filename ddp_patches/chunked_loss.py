@@ -279,9 +279,9 @@ class _Call:
 # hooks, no instance forward and no active dropout, it runs under no engine (one process: this is a memory option,
 # not a DDP fix) or DDP, and no ``compute_loss`` on the stack other than transformers' reads ``logits`` (TRL
 # before its fused head computed token accuracy from them). Then ``logits`` is None, said once at INFO; every
-# step-aside is one line on rank 0, once per reason. Where labels are not passed -- Trainer's label smoothing and
-# ``compute_loss_func`` -- it is not reached (one INFO line); nor where TRL (SFT, DPO: its fused LM head) or Liger replaced the
-# model's forward and chunk themselves: one INFO line says so when DDP wraps such a model (``note_fused``).
+# step-aside is one line on rank 0, once per reason. Where labels are not passed (Trainer's label smoothing and
+# ``compute_loss_func``) it is not reached: one INFO line; nor where TRL (SFT, DPO: its fused LM head) or Liger
+# replaced the model's forward and chunk themselves: one INFO line when DDP wraps such a model (``note_fused``).
 # Test: tests/test_chunked_loss.py::test_steps_aside_where_logits_are_read.
 def _step_aside(key: str, level: int, why: str) -> None:
     log_rank0_once(f"chunked-{key}", level, "ddp_patches: chunked loss steps aside: %s (%s)", why, _SEE)
