@@ -262,32 +262,42 @@ def test_raw_ddp_parity(pool, lm_head, ddp_kwargs):
         assert r["counts"]["chunked_calls"] == 4  # the reference's calls ran unchunked
 
 
-def trainer_case(kind: str, chunked: bool) -> dict:
-    """HF Trainer (gradient_accumulation_steps=2, num_items_in_batch over padded labels) or TRL's SFTTrainer on
-    2 ranks; the gradients of every optimizer step, as each rank holds them after the all-reduce."""
+def _recorder(grads: list):
     from transformers import TrainerCallback
-
-    from ddp_patches.verify import trainer_runs
-    from datasets import Dataset
-
-    grads: list[list[float]] = []
 
     class Record(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             grads.append([p.grad.double().sum().item() for p in model.parameters() if p.requires_grad])
 
-    def setup(ckpt_kwargs, text_only=False):
-        from ddp_patches.verify.hf_models import build_lora_model
+    return Record()
 
-        torch.manual_seed(0)
-        model = build_lora_model("llama", ckpt_kwargs, dtype=torch.float32)
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(3, VOCAB, (16, 12), generator=g)
-        labels = ids.clone()
-        for i in range(16):
-            labels[i, : i % 7] = -100
-        return model, Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()}), \
-            {"callbacks": [Record()]}
+
+def _trainer_setup(ckpt_kwargs, grads: list):
+    """A LoRA Llama and 16 rows whose labels ignore 0-6 leading tokens (num_items_in_batch differs per batch)."""
+    from datasets import Dataset
+
+    from ddp_patches.verify.hf_models import build_lora_model
+
+    torch.manual_seed(0)
+    model = build_lora_model("llama", ckpt_kwargs, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (16, 12), generator=g)
+    labels = ids.clone()
+    for i in range(16):
+        labels[i, : i % 7] = -100
+    return model, Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()}), \
+        {"callbacks": [_recorder(grads)]}
+
+
+def trainer_case(kind: str, chunked: bool) -> dict:
+    """HF Trainer (gradient_accumulation_steps=2, num_items_in_batch over padded labels) or TRL's SFTTrainer on
+    2 ranks; the gradients of every optimizer step, as each rank holds them after the all-reduce."""
+    from ddp_patches.verify import trainer_runs
+
+    grads: list[list[float]] = []
+
+    def setup(ckpt_kwargs, text_only=False):
+        return _trainer_setup(ckpt_kwargs, grads)
 
     lines: list[str] = []
     handler = logging.Handler()
@@ -304,26 +314,61 @@ def trainer_case(kind: str, chunked: bool) -> dict:
         log.removeHandler(handler)
 
 
+def single_process_trainer_grads() -> list:
+    """The reference: one process, the global batch (4 rows per micro-step, accumulation 2), the unchunked loss.
+    accelerate deals a shuffled order's batches of 2 to the ranks in turn, so each global micro-batch is the
+    single process's batch of 4."""
+    import os
+    import tempfile
+
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import Trainer, TrainingArguments
+
+    grads: list[list[float]] = []
+    model, dataset, extra = _trainer_setup({"use_reentrant": True}, grads)
+    environ = dict(os.environ)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                                     max_steps=2, learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True,
+                                     gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True},
+                                     dataloader_num_workers=0, disable_tqdm=True, seed=0, logging_steps=1)
+            Trainer(model=model, args=args, train_dataset=dataset, **extra).train()
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+    return grads
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["trainer", "sft"])
-def test_trainers_parity_with_the_unchunked_loss(pool, kind):
-    chunked = pool.run(trainer_case, kind=kind, chunked=True)
-    plain = pool.run(trainer_case, kind=kind, chunked=False)
-    for c, p in zip(chunked, plain):
-        assert c["steps"] == 2 and c["lora_in_sync"]
-        assert len(c["grads"]) == 2
-        for gc, gp in zip(c["grads"], p["grads"]):
-            assert gc == pytest.approx(gp, rel=1e-4, abs=1e-6)
-        assert c["losses"] == pytest.approx(p["losses"], rel=1e-5)
-    # The Trainer's forward gets labels: chunked (2 ranks x 2 steps x 2 micro-steps). TRL's SFTTrainer runs its own
-    # fused LM head, which calls the backbone and never the model's forward with labels: not reached.
-    assert chunked[0]["counts"]["chunked_calls"] == (4 if kind == "trainer" else 0)
-    expected = "computes its training loss in chunks" if kind == "trainer" else \
-        "forward is replaced on the instance by trl/trainer/utils.py:_fused_forward"
+def test_trainer_matches_a_single_process_reference(pool):
+    chunked = pool.run(trainer_case, kind="trainer", chunked=True)
+    reference = single_process_trainer_grads()
+    assert len(reference) == 2
+    for c in chunked:  # 2 ranks x 2 steps x 2 micro-steps, each rank's gradients after the all-reduce
+        assert c["counts"]["chunked_calls"] == 4 and c["steps"] == 2 and c["lora_in_sync"]
+        for gc, gr in zip(c["grads"], reference):
+            assert gc == pytest.approx(gr, rel=1e-4, abs=1e-6)
     lines = [line for line in chunked[0]["lines"] if " found (" not in line]  # a class imported after apply()
-    assert len(lines) == 1 and expected in lines[0], lines
+    assert len(lines) == 1 and "computes its training loss in chunks" in lines[0], lines
     assert chunked[1]["lines"] == []  # rank 0 only
 
+
+@pytest.mark.slow
+def test_sft_trainer_is_not_reached_and_trains_as_without(pool):
+    # TRL's SFTTrainer runs its own fused LM head, which calls the backbone and never the model's forward with
+    # labels: not reached, one INFO line, the gradients of a run without the option.
+    chunked = pool.run(trainer_case, kind="sft", chunked=True)
+    plain = pool.run(trainer_case, kind="sft", chunked=False)
+    for c, p in zip(chunked, plain):
+        assert c["steps"] == 2 and c["lora_in_sync"] and c["counts"]["chunked_calls"] == 0
+        assert c["grads"] == p["grads"] and len(c["grads"]) == 2
+    lines = [line for line in chunked[0]["lines"] if " found (" not in line]  # a class imported after apply()
+    assert len(lines) == 1 and "forward is replaced on the instance by trl/trainer/utils.py:_fused_forward" \
+        in lines[0], lines
+    assert chunked[1]["lines"] == []  # rank 0 only
 
 def dpo_case(chunked: bool) -> dict:
     """TRL's DPOTrainer (LoRA, accumulation 2) on 2 ranks: the gradients of every optimizer step."""
