@@ -64,10 +64,10 @@ def chunk_rows(rows: int | None):
         _settings["chunk_rows"] = previous
 
 
-def chunk_sizes(rows: int, hidden: int, vocab: int, chunk_rows_: int | None = None) -> list[int]:
-    """Tokens per chunk, evenly split. NOTE [Chunks by shapes]."""
-    if chunk_rows_ is not None:
-        count = max(1, math.ceil(rows / chunk_rows_))
+def chunk_sizes(rows: int, hidden: int, vocab: int, max_rows: int | None = None) -> list[int]:
+    """Tokens per chunk, evenly split: at most ``max_rows`` each, or, when None, NOTE [Chunks by shapes]."""
+    if max_rows is not None:
+        count = max(1, math.ceil(rows / max_rows))
     else:
         count = max(1, min(rows, math.ceil(vocab / max(hidden, 1))))
     base, extra = divmod(rows, count)
@@ -75,7 +75,7 @@ def chunk_sizes(rows: int, hidden: int, vocab: int, chunk_rows_: int | None = No
 
 
 # NOTE [Chunks by shapes]
-# Invariant: one chunk's logits are no larger than the hidden states of the call, and every rank and step of one
+# Invariant: one chunk's logits have no more elements than the hidden states of the call, and every rank and step of one
 # shape chunks alike (the rule reads only shapes). Rule: ceil(V / H) chunks (Liger's fused linear cross entropy
 # takes the same count), each of rows / chunks tokens. For Llama-3.1-8B (H 4096, V 128256): 32 chunks, 2048 tokens
 # each at 64K, whose float32 logits are 1.0 GiB against 31.3 GiB for the whole call.
@@ -130,12 +130,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             raise RuntimeError("ddp_patches: a second-order backward (create_graph=True) through the chunked LM loss "
                                "is not supported: its gradients are computed in forward; run without "
                                "apply(chunked_loss=True) for this model")
-        grad_h = None if ctx.grad_h is None else ctx.grad_h.mul_(grad_out.to(ctx.grad_h.dtype))
-        grads = [None if g is None else g.mul_(grad_out.to(g.dtype)) for g in ctx.grads]
-        for i in ctx.wanted:  # NOTE [Unused everywhere ends with grad None] / [Static graph needs a defined zero]
+        # Out of place: a backward under retain_graph=True may come again and must find the kept gradients intact.
+        grad_h = None if ctx.grad_h is None else ctx.grad_h * grad_out.to(ctx.grad_h.dtype)
+        grads = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.grads]
+        for i in ctx.wanted:  # a parameter no chunk used: None, or the zero a static-graph DDP needs (tiled_mlp.py)
             if grads[i] is None and reach.needs_defined_zero(ctx.params[i]):
                 grads[i] = torch.zeros_like(ctx.params[i])
-        ctx.grad_h = ctx.grads = None
         return (None, None, None, None, grad_h, *grads)
 
 

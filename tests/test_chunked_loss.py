@@ -71,6 +71,20 @@ def test_lora_on_lm_head_gradients_and_one_hook_each(kwargs, lm_head):
     assert any("lm_head" in n for n in got) == lm_head
 
 
+def test_a_retained_graph_backpropagates_twice():
+    batch = _batch(7)
+    ref_model = _lora_lm(True).train()
+    ref_model(**batch).loss.backward()
+    ref = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.grad is not None}
+    with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(5):
+        model = _lora_lm(True).train()
+        loss = model(**batch).loss
+        (loss * 0.5).backward(retain_graph=True)
+        (loss * 0.5).backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert _rel(got, ref) < 1e-6
+
+
 def test_single_process_eval_and_no_labels_are_untouched():
     torch.manual_seed(0)
     model = build_causal_lm("llama")
