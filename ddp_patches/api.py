@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from . import checkpointing as _checkpointing_patch
+from . import chunked_loss as _chunked_loss_patch
 from . import engines as _engines
 from . import guard as _guard
 from .offload import offloader as _offload_patch
@@ -55,6 +56,7 @@ def apply(
     tiled_mlp_shard_tokens: int | None = None,
     tiled_attention: bool = False,
     tiled_attention_shard_tokens: int | None = None,
+    chunked_loss: bool = False,
     offload_min_bytes: int = _offload_patch.DEFAULT_MIN_BYTES,
     offload_max_pinned_bytes: int | None = None,
     offload_prefetch_depth: int = _offload_patch.DEFAULT_PREFETCH_DEPTH,
@@ -64,8 +66,8 @@ def apply(
 ) -> ApplyReport:
     """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
 
-    Nothing changes in a process that is not distributed: every patch asks at call time whether a process
-    group with world size > 1 exists, and which engine runs the model it acts for (DDP, FSDP2, FSDP1,
+    Nothing changes in a process that is not distributed: every patch asks at call time whether a process group
+    with world size > 1 exists, and which engine runs the model it acts for (DDP, FSDP2, FSDP1,
     DeepSpeed, torch.compile); it acts only under the engines where it is proven and otherwise steps aside
     with one WARNING line (NOTE [Engines] in ddp_patches/engines.py; the report names the expected engine).
     Calling apply() again with the same options does nothing; with other options it reverts and re-applies.
@@ -100,6 +102,11 @@ def apply(
             (found by structure; NOTEs in ddp_patches/tiled_attention.py). Steps aside under other engines.
         tiled_attention_shard_tokens: at most this many tokens per attention shard, always tiled; None: 4 shards
             where the call has at least 2 x hidden_size tokens (NOTE [Attention tiled by bytes]).
+        chunked_loss: in training, a transformers causal LM (found by structure; VLMs and PEFT-wrapped models
+            included) called with ``labels`` computes its loss from the final hidden states in chunks of tokens,
+            never building the full logits or their float32 copy; its output's ``logits`` is then None. Acts under
+            DDP (in one process nothing changes); steps aside with one line wherever the logits are
+            read or cannot be matched (NOTE [When the chunked loss acts] in ddp_patches/chunked_loss.py).
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the
@@ -109,6 +116,7 @@ def apply(
     """
     options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
     options.update(_validate_tiled_attention(tiled_attention, tiled_attention_shard_tokens))
+    options.update(_validate_chunked_loss(chunked_loss))
     if options["offload"] == "auto":
         log_rank0_once("offload-auto", logging.WARNING, "ddp_patches: offload='auto' now means offload=False "
                        "(%s); pass offload=True to turn it on", _offload_patch.WHY_OPT_IN)
@@ -135,6 +143,8 @@ def apply(
             installed += _tiled_mlp_patch.install(shard_tokens=options["tiled_mlp_shard_tokens"])
         if options["tiled_attention"]:
             installed += _tiled_attention_patch.install(shard_tokens=options["tiled_attention_shard_tokens"])
+        if options["chunked_loss"]:
+            installed += _chunked_loss_patch.install()
         if options["offload"] is not False:
             installed += _offload_patch.install(
                 explicit=options["offload"] is True,
@@ -242,6 +252,12 @@ def _validate_tiled_attention(tiled_attention, shard_tokens) -> dict:
         raise ValueError("ddp_patches.apply(tiled_attention_shard_tokens=...) expects None (automatic) or a "
                          f"positive int, got {shard_tokens!r}")
     return {"tiled_attention": tiled_attention, "tiled_attention_shard_tokens": shard_tokens}
+
+
+def _validate_chunked_loss(chunked_loss) -> dict:
+    if not isinstance(chunked_loss, bool):
+        raise TypeError(f"ddp_patches.apply(chunked_loss=...) expects True or False, got {chunked_loss!r}")
+    return {"chunked_loss": chunked_loss}
 
 
 def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:

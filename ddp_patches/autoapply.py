@@ -92,6 +92,7 @@ OPTIONS: dict[str, Callable[[str], object]] = {
     "tiled_mlp_shard_tokens": _count_or_auto,
     "tiled_attention": _bool,
     "tiled_attention_shard_tokens": _count_or_auto,
+    "chunked_loss": _bool,
     "on_unsynced": _on_unsynced,  # ddp_patches/guard.py, ddp_patches/replica_check.py
     "replica_check_every": _count,
 }

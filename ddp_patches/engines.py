@@ -94,7 +94,8 @@ def step_aside(patch: str, engine: str) -> None:
 
 
 _LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)", "offload": "activation offload",
-           "tiled_mlp": "the tiled MLP", "tiled_attention": "the tiled attention", "reducer": "the unused-parameter rescue"}
+           "tiled_mlp": "the tiled MLP", "tiled_attention": "the tiled attention",
+           "reducer": "the unused-parameter rescue", "chunked_loss": "the chunked LM loss"}
 
 
 # -- detection -------------------------------------------------------------------------------------------------

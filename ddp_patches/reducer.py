@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpointing, engines, guard, probes, reach, teardown, tiled_mlp, trainable_set
+from . import checkpointing, chunked_loss, engines, guard, probes, reach, teardown, tiled_mlp, trainable_set
 from .trainable_set import TrainableParametersChangedError  # noqa: F401  (its old home)
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
@@ -46,6 +46,7 @@ def _patched_ddp_init(original_init):
             return
         engines.own(self)  # NOTE [The engine is the module's owner's]
         tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
+        chunked_loss.note_fused(self.module)  # no-op unless apply(chunked_loss=True): NOTE [When the chunked loss acts]
         trainable_set.TrainableGuard(self).install(self)  # before reach: its hooks see DDP's own outputs
         reach.install(self)
         teardown.track(self)

@@ -41,9 +41,9 @@ def test_options_cover_apply_exactly():
 
 def test_options_from_env_parse_and_name_a_bad_variable():
     env = {"DDP_PATCHES_OFFLOAD": "false", "DDP_PATCHES_TILED_MLP": "1", "DDP_PATCHES_TILED_MLP_SHARD_TOKENS": "auto",
-           "DDP_PATCHES_OFFLOAD_MIN_BYTES": "4096"}
+           "DDP_PATCHES_OFFLOAD_MIN_BYTES": "4096", "DDP_PATCHES_CHUNKED_LOSS": "true"}
     assert autoapply.options_from_env(env) == {"offload": False, "tiled_mlp": True, "tiled_mlp_shard_tokens": None,
-                                               "offload_min_bytes": 4096}
+                                               "offload_min_bytes": 4096, "chunked_loss": True}
     with pytest.raises(ValueError, match=r"DDP_PATCHES_OFFLOAD='maybe' is not valid: expected auto, true or false"):
         autoapply.options_from_env({"DDP_PATCHES_OFFLOAD": "maybe"})
 

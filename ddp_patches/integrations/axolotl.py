@@ -36,6 +36,7 @@ class DDPPatchesArgs(BaseModel):
     ddp_patches_tiled_mlp_shard_tokens: Optional[int] = Field(default=None, ge=1)
     ddp_patches_tiled_attention: Optional[bool] = None
     ddp_patches_tiled_attention_shard_tokens: Optional[int] = Field(default=None, ge=1)
+    ddp_patches_chunked_loss: Optional[bool] = None
     ddp_patches_offload_min_bytes: Optional[int] = Field(default=None, ge=0)
     ddp_patches_offload_max_pinned_bytes: Optional[int] = Field(default=None, ge=0)
     ddp_patches_offload_prefetch_depth: Optional[int] = Field(default=None, ge=1)
