@@ -36,7 +36,8 @@ def test_two_torchrun_nodes_on_one_machine(tmp_path, monkeypatch):
     port = _free_port()
     agents = " ".join(
         f"{sys.executable} -m torch.distributed.run --nnodes=2 --node_rank={node} --nproc_per_node=1 "
-        f"--master_addr=127.0.0.1 --master_port={port} {SCRIPT} {tmp_path} > {tmp_path}/node{node}.log 2>&1 & p{node}=$!;"
+        f"--master_addr=127.0.0.1 --master_port={port} {SCRIPT} {tmp_path} > {tmp_path}/node{node}.log 2>&1 & "
+        f"p{node}=$!;"
         for node in (0, 1))
     print_env = " ".join(RUNNER + ["--print-env", "--offload", "true"])
     shell = f'set -e; eval "$({print_env})"; {agents} wait $p0; wait $p1'
