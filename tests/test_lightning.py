@@ -18,6 +18,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -33,8 +35,9 @@ pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "lightning_script.py")
 PARITY = 1e-12  # fp64
-# What each pattern ends in without the library (rank-branch: the rank that skipped the head raises at its next
-# step, Lightning rewording the reducer's "Expected to have finished reduction"; the other waits out the timeout).
+# What each pattern ends in without the library. rank-branch hangs: rank 0 waits in an all-reduce rank 1 never
+# joins; once that times out (20 s here, 30 min by default with gloo), rank 1 raises at its next step, Lightning
+# rewording the reducer's "Expected to have finished reduction". The launch is stopped at the first of these lines.
 UNPATCHED = {
     "static-accum": "expect_autograd_hooks_ INTERNAL ASSERT FAILED",
     "reentrant-unused": "Expected to mark a variable ready only once",
@@ -43,27 +46,38 @@ UNPATCHED = {
 }
 
 
-def _launch(tmp_path, pattern: str, *, apply: bool, runner: tuple[str, ...] = (), timeout: float = 120,
-            pg_timeout: float = 60):
-    """Run the script as a user would; returns (exit status, output, the ranks' results or None)."""
+def _launch(tmp_path, pattern: str, *, apply: bool, runner: tuple[str, ...] = (), timeout: float = 300,
+            stop_at: str | None = None, collective_timeout: float | None = None):
+    """Run the script as a user would; returns (exit status, output, the ranks' results or None). With ``stop_at``,
+    the launch is killed as soon as its output shows that text (an unpatched rank's error: the other rank would wait
+    for it until the process group's timeout); the status is then None."""
     out = tmp_path / pattern
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
     for name in ("DDP_PATCHES_APPLY", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(name, None)
-    # A hang must not outlive the test: the launch and the rank Lightning starts share a session, killed as one.
-    cmd = [*runner, sys.executable, SCRIPT, pattern, str(out), f"--timeout={pg_timeout}", *(["--apply"] if apply else [])]
+    cmd = [*runner, sys.executable, SCRIPT, pattern, str(out), *(["--apply"] if apply else []),
+           *([f"--collective-timeout={collective_timeout}"] if collective_timeout else [])]
+    # The launch and the rank Lightning starts share a session, killed as one (a hang must not outlive the test).
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if stop_at is not None and stop_at in "".join(lines):
+            break
+        time.sleep(0.2)
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return None, output, None
+        proc.wait()
+        reader.join(timeout=10)
+        return None, "".join(lines), None
+    reader.join(timeout=10)
     ranks = [out / f"rank{r}.pt" for r in range(script.WORLD)]
     results = [torch.load(p) for p in ranks] if all(p.exists() for p in ranks) else None
-    return proc.returncode, output, results
+    return proc.returncode, "".join(lines), results
 
 
 def _assert_parity(pattern: str, results: list[dict], output: str) -> None:
@@ -81,8 +95,8 @@ def _assert_parity(pattern: str, results: list[dict], output: str) -> None:
 
 @pytest.mark.parametrize("pattern", script.PATTERNS)
 def test_unpatched_fails_as_users_report(tmp_path, pattern):
-    code, output, _ = _launch(tmp_path, pattern, apply=False, timeout=90, pg_timeout=15)
-    assert code not in (0, None), output[-3000:]
+    code, output, results = _launch(tmp_path, pattern, apply=False, stop_at=UNPATCHED[pattern], collective_timeout=20)
+    assert code != 0 and results is None, output[-3000:]
     assert UNPATCHED[pattern] in output, output[-3000:]
 
 
