@@ -1,6 +1,7 @@
 """``python -m ddp_patches doctor``: what would fail under DDP, why, and what to do -- before a run is launched.
 
-``diagnose(model, args)`` looks at a model (PEFT or not) and its TrainingArguments/SFTConfig; the command line
+``diagnose(model, args)`` looks at a model (PEFT or not) and its TrainingArguments/SFTConfig (or a Lightning
+``Trainer``); the command line
 looks at the environment only. Each finding names the setting, the error it leads to under DDP and the fix.
 """
 
@@ -113,7 +114,8 @@ def would_change(tiled_mlp: bool = False, offload: bool = False) -> list[str]:
 
 
 def diagnose(model: Any = None, args: Any = None, *, tiled_mlp: bool = False) -> Diagnosis:
-    """Findings for ``model`` (optional) trained with ``args`` (TrainingArguments/SFTConfig, optional)."""
+    """Findings for ``model`` (optional) trained with ``args`` (TrainingArguments/SFTConfig or a Lightning
+    ``Trainer``, optional)."""
     world = env_int("WORLD_SIZE", 1, minimum=1)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
@@ -125,6 +127,7 @@ def diagnose(model: Any = None, args: Any = None, *, tiled_mlp: bool = False) ->
     d.findings += _engine_findings(args)
     d.findings += _checkpoint_findings(model, args)
     d.findings += _reducer_findings(model, args)
+    d.findings += _lightning_findings(args)
     d.findings += _unwrapped_loss_findings(args)
     return d
 
@@ -256,6 +259,21 @@ def _reducer_findings(model: Any, args: Any) -> list[Finding]:
             UNFINISHED, "ddp_patches.apply() (a text-only rank gives them a zero-gradient edge; the setting is "
             "kept), or ddp_find_unused_parameters=True"))
     return found
+
+
+def _lightning_findings(args: Any) -> list[Finding]:
+    """A Lightning ``Trainer`` (read without importing Lightning): its DDPStrategy keeps DDP's keywords in
+    ``_ddp_kwargs``, and accumulation puts the first micro-steps in ``no_sync()`` (casanovo#512)."""
+    ddp_kwargs = getattr(getattr(args, "strategy", None), "_ddp_kwargs", None)
+    accum = getattr(args, "accumulate_grad_batches", 1)
+    if not isinstance(ddp_kwargs, dict) or not ddp_kwargs.get("static_graph") or not isinstance(accum, int) \
+            or accum <= 1:
+        return []
+    return [Finding(
+        "lightning-static-graph-accumulation", "error",
+        f"Lightning DDPStrategy(static_graph=True) with accumulate_grad_batches={accum}", EAH,
+        "ddp_patches.apply() at the top of the script (it reaches the ranks Lightning starts; it synchronises the "
+        "first backward), or DDPStrategy(static_graph=False)")]
 
 
 def _uses_reentrant(model: Any, args: Any) -> bool:

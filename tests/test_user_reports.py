@@ -309,6 +309,9 @@ def test_accelerate_3679_static_graph_no_sync(pool):
     assert _same(patched) == "trains, gradient parity"
     record("accelerate#3679, pytorch#143580", unpatched=_same(unpatched), patched=_same(patched),
            status=user_reports.FIXED)
+    # casanovo#512: Lightning's accumulation is this order (strategy.block_backward_sync wraps the first micro-step
+    # in no_sync()); Lightning itself runs it in tests/test_lightning.py
+    record("casanovo#512", unpatched=_same(unpatched), patched=_same(patched), status=user_reports.FIXED)
 
 
 # -- kernels-community#1081: a tiled MLP kernel that runs backward once per shard -------------------------------

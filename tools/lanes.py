@@ -2,6 +2,7 @@
 
     python3 -m tools.lanes run newest --workdir /tmp/lanes     # what .ci/run does per lane
     python3 -m tools.lanes run floating --workdir /tmp/lanes   # the newest releases, unpinned (by hand)
+    python3 -m tools.lanes run lightning                       # Lightning's Trainer and Fabric (by hand)
     python3 -m tools.lanes run main --here                     # the current interpreter, no venv
     python3 -m tools.lanes record /tmp/lanes/*.result.json     # docs/data/tested-versions.json + its docs block
 
@@ -59,6 +60,8 @@ class Lane:
     scenarios: str = "*"
     tests: tuple[str, ...] = CORE_TESTS + ("tests/test_trainers.py",)
     left_out: dict[str, str] = field(default_factory=dict)  # scenario or test file -> why it cannot run here
+    packages: tuple[str, ...] = ()  # installed beside the project, at their pins (a tool the project does not need)
+    ci: bool = True  # .ci/run runs it (NOTE [A tool's lane, by hand])
 
 
 # NOTE [The oldest lane]
@@ -110,10 +113,20 @@ NEWEST_TESTS = CORE_TESTS + ("tests/test_trainers.py", "tests/test_offload_compo
 FLOATING = "floating"  # not run by CI; any versions
 
 
+# NOTE [A tool's lane, by hand]
+# A tool users train with that the project does not depend on (Lightning) gets a lane of its own: the main lane's
+# pins plus the tool's, in .ci/lanes/<lane>.txt, its ``packages`` installed beside the project, and its test file,
+# which skips where the tool is not installed. It runs one validate scenario (the lane's install works) and is
+# recorded like the others, with the tool's version in its row; it is run by hand, not by .ci/run (ci=False), as
+# long as its install and tests cost more than CI has left.
+# Tests: tests/test_lanes.py::test_ci_runs_every_lane, ::test_every_lane_is_recorded_and_passed.
+LIGHTNING_SCENARIOS = "raw-static-graph-accum"  # the reducer failure casanovo#512 meets under Lightning
+
+
 def lanes() -> dict[str, Lane]:
     # DeepSpeed is the main lane's alone: .ci/run builds it against the torch just installed.
     main = {k: v for k, v in pins("main").items() if k != "deepspeed"}
-    newest, oldest = pins("newest"), pins("oldest")
+    newest, oldest, lightning = pins("newest"), pins("oldest"), pins("lightning")
     scenarios = ",".join(_scenarios_but(OLDEST_LEFT_OUT))
     return {
         "main": Lane("main", main.pop("torch"), main, "the pinned CPU torch; .ci/run runs the full suite on it "
@@ -124,6 +137,10 @@ def lanes() -> dict[str, Lane]:
                        "`python3 -m tools.lanes run floating`", tests=NEWEST_TESTS),
         "oldest": Lane("oldest", oldest.pop("torch"), oldest, "pyproject's minimums", scenarios=scenarios,
                        tests=OLDEST_TESTS, left_out={**OLDEST_LEFT_OUT, **OLDEST_TESTS_LEFT_OUT}),
+        "lightning": Lane("lightning", lightning.pop("torch"), lightning, "PyTorch Lightning's Trainer and Fabric on "
+                          "the main lane's pins, run by hand: `python3 -m tools.lanes run lightning`",
+                          scenarios=LIGHTNING_SCENARIOS, tests=("tests/test_lightning.py",), packages=("lightning",),
+                          ci=False),
     }
 
 
@@ -193,12 +210,12 @@ def install(lane: Lane, venv: str) -> None:
     constraints = os.path.join(venv, "lane-constraints.txt")
     with open(constraints, "w", encoding="utf-8") as f:
         f.write("".join(f"{k}=={v}\n" for k, v in pins.items()))
-    _sh(pip + ["-c", constraints, "-e", ".[test]"], check=True)
+    _sh(pip + ["-c", constraints, "-e", ".[test]", *lane.packages], check=True)
 
 
-def installed_versions(python: str) -> dict[str, str]:
+def installed_versions(python: str, packages: tuple[str, ...] = ()) -> dict[str, str]:
     code = ("import importlib.metadata as m, json, sys, torch; print(json.dumps({'python': sys.version.split()[0], "
-            "'torch': torch.__version__, **{p: m.version(p) for p in %r}}))" % (LIBRARIES,))
+            "'torch': torch.__version__, **{p: m.version(p) for p in %r}}))" % (LIBRARIES + tuple(packages),))
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -228,7 +245,8 @@ def run(lane: Lane, workdir: str, here: bool = False) -> dict:
     print(tests.stdout[-3000:] + tests.stderr[-2000:], flush=True)
     summary = (tests.stdout.strip().splitlines() or ["no output"])[-1]
     result = {
-        "lane": lane.name, "why": lane.why, "versions": installed_versions(python), "left_out": lane.left_out,
+        "lane": lane.name, "why": lane.why, "versions": installed_versions(python, lane.packages),
+        "left_out": lane.left_out,
         "validate": {"passed": sum(r["patched"]["status"] == "pass" for r in rows), "total": len(rows),
                      "failed": [r["scenario"] for r in rows if r["patched"]["status"] != "pass"],
                      "scenarios": lane.scenarios},
@@ -255,13 +273,16 @@ def render(data: dict) -> str:
              "|---|---|---|" + "---|" * len(LIBRARIES) + "---|---|"]
     for r in data["lanes"]:
         v, val = r["versions"], r["validate"]
-        scope = "" if val["scenarios"] == "*" else " selected (the others: below)"
+        scope = "" if val["scenarios"] == "*" else " selected (the others: below)" if r.get("left_out") else \
+            " selected"
         lines.append(f"| {r['lane']} | {v['python']} | {v['torch']} | " + " | ".join(v[p] for p in LIBRARIES)
                      + f" | {val['passed']}/{val['total']}{scope} | {_counts(r['tests']['summary'])} |")
     lines.append("")
     for r in data["lanes"]:
         when = f" (last passed on {r['date']})" if r.get("date") and passed(r) else ""
-        lines.append(f"- {r['lane']}: {r['why']}{when}; core test files: "
+        tools = [f"{p} {v}" for p, v in r["versions"].items() if p not in ("python", "torch", *LIBRARIES)]
+        also = f"; with {', '.join(tools)}" if tools else ""
+        lines.append(f"- {r['lane']}: {r['why']}{when}{also}; core test files: "
                      + ", ".join(f"`{os.path.basename(t)}`" for t in r["tests"]["files"]) + ".")
         lines += [f"  Left out: `{name}` ({why})." for name, why in r.get("left_out", {}).items()]
     lines += ["", END]

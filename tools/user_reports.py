@@ -121,6 +121,12 @@ REPORTS = (
     Report("accelerate#3679, pytorch#143580", _GH + "huggingface/accelerate/issues/3679",
            "DDP `static_graph=True`, accumulation 2, first micro-step in `no_sync()`",
            "`apply()` (pytorch#187732 still open)", "test_accelerate_3679_static_graph_no_sync"),
+    Report("casanovo#512", _GH + "Noble-Lab/casanovo/issues/512",
+           "Lightning `DDPStrategy(static_graph=True)`, `accumulate_grad_batches=2`: Lightning runs the first "
+           "micro-step in `no_sync()`, the order of the row above (measured there; Lightning's own Trainer and Fabric: "
+           "`tests/test_lightning.py`, the lightning lane)",
+           "`apply()` at the top of the script (it reaches the ranks Lightning starts); or `static_graph=False`",
+           "test_accelerate_3679_static_graph_no_sync"),
     Report("transformers#47254, trl#2514", _GH + "huggingface/transformers/issues/47254",
            "ZeRO-3 + LoRA + non-reentrant GC (frozen params re-partitioned in recompute)",
            "DeepSpeed >= #8148, or reentrant GC under ZeRO-3 (TRL does this); the library steps aside under ZeRO-3",

@@ -45,10 +45,9 @@ def reload_4bit(model, cls):
     """Save ``model`` and load it back through bitsandbytes 4-bit (nf4, fp32 compute): a QLoRA base."""
     from transformers import BitsAndBytesConfig
 
-    with _shared_tmpdir() as tmp:
-        # Under a process group transformers writes on rank 0 only; every rank then loads the same files.
+    with tempfile.TemporaryDirectory(prefix="ddp_patches_qlora_") as tmp:
         model.save_pretrained(tmp)
-        _barrier()
+        rank0_files_into(tmp)  # NOTE [A saved model reaches every node]
         loaded = cls.from_pretrained(
             tmp,
             quantization_config=BitsAndBytesConfig(
@@ -61,9 +60,44 @@ def reload_4bit(model, cls):
     return loaded
 
 
+# NOTE [A saved model reaches every node]
+# Under a process group transformers writes save_pretrained's files on global rank 0 only, and a directory rank 0
+# makes lies on rank 0's machine: a rank on another node cannot read it. So every rank saves into a directory of its
+# own, and rank 0's files (a tiny model: kilobytes) are broadcast and written into each other rank's, which then
+# loads from its own disk; no rank assumes it shares a file system with rank 0.
+# Test: tests/test_two_nodes.py::test_two_torchrun_nodes_on_one_machine.
+def rank0_files_into(directory: str) -> None:
+    """Under a process group, make ``directory`` hold exactly rank 0's files of its own ``directory``, on every
+    rank (a collective: every rank calls it)."""
+    import os
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    files: list[Any] = [None]
+    if dist.get_rank() == 0:
+        found = {}
+        for top, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(top, name)
+                with open(path, "rb") as f:
+                    found[os.path.relpath(path, directory)] = f.read()
+        files = [found]
+    dist.broadcast_object_list(files, src=0)
+    if dist.get_rank() != 0:
+        shutil.rmtree(directory)  # what this rank may have written itself (transformers 4.x writes on every rank)
+        os.makedirs(directory)
+        for rel, data in files[0].items():
+            path = os.path.join(directory, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+
+
 @contextlib.contextmanager
 def _shared_tmpdir():
-    """One temporary directory for all ranks (rank 0 creates and removes it)."""
+    """One temporary directory for all ranks of one machine (rank 0 creates and removes it): tests' output dirs."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
