@@ -493,17 +493,22 @@ def _tiling(model):
             del mlp.forward
 
 
+def own_module(name: str):
+    """``ddp_patches.<name>`` where this package's own folder has it, else None (an editable install of another
+    checkout must not lend its modules)."""
+    import importlib
+    import importlib.machinery
+    import sys
+
+    package = sys.modules[__package__]
+    if importlib.machinery.PathFinder.find_spec(f"{__package__}.{name}", list(package.__path__)) is None:
+        return None
+    return importlib.import_module(f"{__package__}.{name}")
+
+
 def _attention_tiling(model):
     """The sequence-tiled attention block's own simulation hook (Features docstring), or NotImplementedError."""
-    import importlib
-
-    try:
-        module = importlib.import_module(f"{__package__}.tiled_attention")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__package__}.tiled_attention":
-            raise
-        module = None
-    tiling = getattr(module, "memsim_tiling", None)
+    tiling = getattr(own_module("tiled_attention"), "memsim_tiling", None)
     if tiling is None:
         raise NotImplementedError("ddp_patches.memsim: Features(tiled_attention=True) runs "
                                   "ddp_patches.tiled_attention.memsim_tiling(model) (a context manager); this "
@@ -513,13 +518,7 @@ def _attention_tiling(model):
 
 def tiled_attention_available() -> bool:
     """Whether ``ddp_patches.tiled_attention`` offers the simulation hook ``memsim_tiling``."""
-    import importlib.util
-
-    if importlib.util.find_spec(f"{__package__}.tiled_attention") is None:
-        return False
-    import importlib
-
-    return callable(getattr(importlib.import_module(f"{__package__}.tiled_attention"), "memsim_tiling", None))
+    return callable(getattr(own_module("tiled_attention"), "memsim_tiling", None))
 
 
 @contextlib.contextmanager

@@ -273,9 +273,7 @@ def _check_plan(text, budget: int, lora_r: int) -> None:
 
 
 def _module_exists(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(f"ddp_patches.{name}") is not None
+    return memsim.own_module(name) is not None
 
 
 def setups() -> tuple[Setup, ...]:
@@ -460,3 +458,59 @@ def readme_block(results: dict[str, dict]) -> str:
         lines.append(f"| {label} | {n[0]:,} | {n[1]:,} | {n[2]:,} | {n[3]:,} | {n[4]:,} | {n[4] / n[1]:.2f}x | "
                      f"{n[4] / n[0]:.2f}x | {rows[names[4]]['limit']} | {n[5]:,}: {rows[names[5]]['limit']} |")
     return "\n".join(lines + ["", README_END])
+
+
+LONG_START = ("<!-- long-context:start (python -m ddp_patches plan --config tests/data/llama-3.1-8b --gpu-memory "
+              "<size> [--qlora --lora-r 32] --json; docs/data/plan-long-context.json) -->")
+LONG_END = "<!-- long-context:end -->"
+PUBLISHED = (  # what others publish, with their setups (not simulated here)
+    ("Unsloth (blog, 2024): Llama-3.1-8B, QLoRA 4-bit on all linear layers, r=32, batch 1, gradient checkpointing "
+     "(Unsloth's offloaded), Unsloth's kernels", {"80 GB": "342,733", "48 GB": "191,728", "40 GB": "153,977",
+                                                  "24 GB": "78,475"}),
+    ("Unsloth's baseline: the same with Hugging Face + FlashAttention-2", {"80 GB": "28,454"}),
+    ("ALST (Arctic Long Sequence Training, 2025): Llama-3.1-8B full fine-tuning, weights and optimizer states on "
+     "the host (ZeRO-3 offload), one H100 80 GB", {"80 GB": "500K"}),
+    ("ALST's ladder on one H200 141 GB: baseline / + tiled loss / + checkpoint offload to the host / + tiled MLP",
+     {"141 GB": "65K / 300K / 650K / 1.2M"}),
+)
+
+
+UNSLOTH_HF = 28454  # Unsloth's published Hugging Face + FlashAttention-2 baseline, QLoRA r=32, 80 GB
+
+
+def long_context_block(results: dict[str, dict], calibration: dict | None = None) -> str:
+    """The long-context table of docs/benchmarks.md: per side (LoRA r=16, QLoRA r=32) and GPU size, each setup's
+    longest sequence and the pinned host memory it needs per GPU; then what others publish, with their setups.
+    ``results``: ``"<side> <size>"`` (e.g. ``"QLoRA r=32 80GiB"``) -> a plan; ``calibration``: the plan of
+    Unsloth's baseline setup (QLoRA r=32, 80 GB), whose plain HF row is set beside their figure."""
+    sides = sorted({key.rsplit(" ", 1)[0] for key in results}, key=lambda side: side.startswith("Q"))
+    sizes = sorted({key.rsplit(" ", 1)[1] for key in results}, key=lambda size: parse_bytes(size))
+    lines = [LONG_START, ""]
+    for side in sides:
+        first = results[f"{side} {sizes[0]}"]
+        head = (f"| Llama-3.1-8B, {side}, batch 1 (simulated; in brackets the pinned host memory per GPU) | "
+                + " | ".join(f"{size} GPU" for size in sizes) + " |")
+        lines += [head, "|---|" + "---|" * len(sizes)]
+        for row in first["rows"]:
+            if row["setup"] not in {s.name for s in SETUPS}:
+                continue  # rows of features being built: in the table once they are merged and measured
+            cells = []
+            for size in sizes:
+                (found,) = [r for r in results[f"{side} {size}"]["rows"] if r["setup"] == row["setup"]]
+                if found["longest"] is None:
+                    cells.append("-")
+                    continue
+                pinned = f" ({found['pinned'] / GiB:.1f} GiB)" if found.get("pinned") else ""
+                cells.append(f"{found['longest']:,}{pinned}")
+            lines.append(f"| {row['setup']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    columns = ["24 GB", "40 GB", "48 GB", "80 GB", "141 GB"]
+    lines += ["| published (their setup) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for setup, figures in PUBLISHED:
+        lines.append(f"| {setup} | " + " | ".join(figures.get(c, "") for c in columns) + " |")
+    if calibration is not None:
+        plain = calibration["rows"][0]["longest"]
+        lines += ["", f"Unsloth's baseline setup simulated (Llama-3.1-8B, QLoRA r=32, batch 1, plain HF, 80 GB read as "
+                      f"{calibration['budget']:,} bytes): **{plain:,} tokens** against their {UNSLOTH_HF:,} "
+                      f"({plain / UNSLOTH_HF - 1:+.0%})."]
+    return "\n".join(lines + ["", LONG_END])

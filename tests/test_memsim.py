@@ -296,3 +296,15 @@ def test_qlora_static_bytes_and_the_features_being_built():
     if not memsim.tiled_attention_available():
         with pytest.raises(NotImplementedError, match="tiled_attention.memsim_tiling"):
             memsim.activation_run(config, 2048, memsim.Features(tiled_attention=True), layers=2)
+
+
+@pytest.mark.docs
+def test_long_context_table_is_the_committed_plans_rendered():
+    """The long-context table of docs/benchmarks.md is ``plan.long_context_block`` of the committed planner outputs
+    (docs/data/plan-long-context.json, written by ``python -m tools.long_context``): no figure typed by hand."""
+    with open(os.path.join(ROOT, "docs", "data", "plan-long-context.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    assert all(result["simulation"] and result["model_type"] == "llama" for result in data["results"].values())
+    assert data["calibration"]["budget"] == 80 * 10**9 and data["calibration"]["quant"] == "nf4"
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        assert plan.long_context_block(data["results"], data["calibration"]) in f.read()
