@@ -95,13 +95,13 @@ def test_plan_cli_on_a_local_config(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     longest = {row["setup"]: row["longest"] for row in result["rows"]}
-    names = [s.name for s in plan.SETUPS]
+    names = [s.name for s in plan.setups()]  # and the rows of features being built, where they exist
     assert 0 < longest[names[0]] < longest[names[1]] < longest[plan.PATCHED], longest
     assert longest[plan.PATCHED] >= max(longest[names[2]], longest[names[3]], longest[names[5]]), longest
     assert [row["fits_seq"] for row in result["rows"]] == [longest[n] >= 16384 for n in names]
     table = plan.render(result)
     assert "a SIMULATION" in table and "calibration: within" in table
-    assert table.count("\n| ") == len(plan.SETUPS) + 1  # the header and one row per setup
+    assert table.count("\n| ") == len(plan.setups()) + 1  # the header and one row per setup
 
 
 def test_other_layouts_and_a_vlm_config(tmp_path):
@@ -251,17 +251,16 @@ def test_pinned_cap_keeps_the_excess_on_the_device():
 @pytest.mark.slow
 def test_fast_search_matches_the_exact_one():
     """NOTE [The fast search]: the fitted line and its checks give the exact answer to the resolution: the full
-    simulation (3 and 4 layers) fits at the fast answer and not 1024 tokens further, for the fused head and for the
-    patched setup under a pinned cap that binds (at Llama-8B shapes the same held for all six setups)."""
+    simulation (3 and 4 layers) fits at the fast answer and not 1024 tokens further, for the patched setup under a
+    pinned cap that binds (at Llama-8B shapes the same held for all six setups, uncapped)."""
     config = memsim._config(_small(6))
-    budget = int(2.5 * GiB)
-    for features, pinned_cap in ((memsim.Features(fused_head=True), None),
-                                 (memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 96 << 20)):
+    budget = int(1.5 * GiB)  # a few thousand tokens: short runs
+    for features, pinned_cap in ((memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 5 << 20),):
         fast, step = plan.longest_fast(config, features, budget, pinned_cap=pinned_cap)
         at = memsim.simulate(config, fast, features, pinned_cap=pinned_cap)
         beyond = memsim.simulate(config, fast + 1024, features, pinned_cap=pinned_cap)
         assert step.device == at.device <= plan.usable(budget) < beyond.device, (features, fast)
-        assert at.pinned <= (pinned_cap or at.pinned)
+        assert at.pinned <= pinned_cap and 0 < at.host < 4 * at.per_layer_host  # the cap binds: inputs stay on the GPU
 
 
 def test_plan_names_the_pinned_cap_a_row_needs():
