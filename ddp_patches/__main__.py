@@ -3,8 +3,9 @@
 ``python -m ddp_patches validate [--list] [--scenarios ...]``: every scenario on 2 ranks, unpatched and patched
 (ddp_patches/verify/validate.py; ``python validate_ddp_fix.py`` in a checkout).
 
-``python -m ddp_patches plan --config PATH [--gpu-memory 80GiB] [--lora-r 16] [--seq N] [--json]``: the longest
-sequence each setup trains on one GPU, simulated (ddp_patches/plan.py).
+``python -m ddp_patches plan --config PATH [--gpu-memory 80GiB] [--lora-r 16] [--seq N] [--batch 1] [--qlora]
+[--host-memory 1TiB] [--gpus-per-node 8] [--exact] [--json]``: the longest sequence each setup trains on one GPU,
+simulated (ddp_patches/plan.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", default="80GiB", help="one GPU's memory, e.g. 80GiB, 141GB (default 80GiB)")
     plan.add_argument("--lora-r", type=int, default=16, help="LoRA rank on every linear layer (default 16)")
     plan.add_argument("--seq", type=int, help="also say whether this many tokens fit, per setup")
+    plan.add_argument("--batch", type=int, default=1, help="sequences per step (tokens = batch x seq; default 1)")
+    plan.add_argument("--qlora", action="store_true",
+                      help="QLoRA: the base linear weights in 4-bit NF4 (bitsandbytes), counted analytically")
+    plan.add_argument("--host-memory", help="the node's host memory, e.g. 1TiB: caps what offload may pin per GPU "
+                                            "(default: not capped; each offload row names what it needs)")
+    plan.add_argument("--gpus-per-node", type=int, default=8,
+                      help="GPUs (ranks) sharing that host memory (LOCAL_WORLD_SIZE; default 8)")
+    plan.add_argument("--exact", action="store_true",
+                      help="search by full simulations to 1024 tokens (minutes) instead of a fitted line and checks")
+    plan.add_argument("--jobs", type=int, help="processes for the setups (default: 2 where there are 2 CPUs)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 

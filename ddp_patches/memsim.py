@@ -30,8 +30,8 @@ GiB = 1 << 30
 #     as FlashAttention-2 does. transformers cannot read a fake tensor and would build an S x S mask that a GPU run
 #     without padding never builds (SDPA's is_causal); the model runs ``ATTENTION``, transformers' SDPA function
 #     with a mask function that returns None, registered through its AttentionInterface.
-#   * the fused head: TRL folds each logits tile with one in-place Triton kernel on a GPU; the float32
-#     temporaries of its CPU fold are not counted (``_gpu_folds``).
+#   * the fused head: TRL folds each logits tile with one in-place Triton kernel on a GPU, which allocates
+#     nothing: its CPU fold (float32 temporaries, results written in place) is not run (``_gpu_folds``).
 #   * the allocator: live bytes, not what a caching allocator reserves; ``plan`` keeps a margin for that.
 # Test: tests/test_memsim.py::test_calibration_offload_gpu_bound (against the H100 run in docs/data/gpu-proof.json).
 
@@ -46,6 +46,7 @@ class LiveBytes(TorchDispatchMode):
         self.current = {"device": 0, "host": 0}
         self.peak = {"device": 0, "host": 0}
         self._paused = 0
+        self.pinned = 0  # pinned host bytes taken by offload (size classes), set by ``_offloading``
         self.phase = "embedding"  # set by the caller's hooks: "layer" or "head"
         self.peak_phase = self.phase
 
@@ -105,11 +106,23 @@ class LiveBytes(TorchDispatchMode):
 
 @dataclasses.dataclass(frozen=True)
 class Features:
-    """What the step runs with: the library's tiled MLP and offload, and a fused (chunked) LM head and loss."""
+    """What the step runs with: the library's tiled MLP and offload, and a fused (chunked) LM head and loss.
+
+    ``chunked_loss``: the library's chunked LM-head loss (``apply(chunked_loss=True)``). ``tiled_attention``: the
+    sequence-tiled attention block, run through ``ddp_patches.tiled_attention.memsim_tiling(model)`` (a context
+    manager that tiles the decoder's attention blocks of the simulated model and undoes it on exit, as ``_tiling``
+    does for the MLP); NotImplementedError while that module or function does not exist."""
 
     tiled_mlp: bool = False
     offload: bool = False
     fused_head: bool = False
+    chunked_loss: bool = False
+    tiled_attention: bool = False
+    legacy_loss: bool = False  # transformers <= 4.45's Llama loss: logits.float(), then a contiguous shifted copy
+
+    @property
+    def chunked_head(self) -> bool:
+        return self.fused_head or self.chunked_loss  # the chunked loss is simulated as TRL's fused head for now
 
 
 @dataclasses.dataclass
@@ -124,6 +137,9 @@ class Step:
     host: int  # the peak of bytes offloaded to the host
     per_layer: int  # what one more layer adds to the activation peak
     peak_in: str = "layer"  # where the activation peak is: "layer" (a layer's recompute) or "head" (head and loss)
+    batch: int = 1  # sequences of ``seq`` tokens in the step
+    pinned: int = 0  # pinned host bytes offload takes (the pool's power-of-two classes)
+    per_layer_host: int = 0  # one offloaded layer input's bytes (uncapped), beside ``per_layer`` on the device
 
     @property
     def device(self) -> int:
@@ -316,17 +332,60 @@ def _materialise(model) -> None:
 _static: dict = {}
 
 
-def static_bytes(config, *, layers: int, lora_r: int, dtype=torch.bfloat16) -> tuple[int, int]:
-    """(frozen weights and buffers, LoRA state) of the whole model: they do not depend on the length."""
-    key = (config.to_json_string(), layers, lora_r, dtype)
+def static_bytes(config, *, layers: int, lora_r: int, dtype=torch.bfloat16, quant: str | None = None
+                 ) -> tuple[int, int]:
+    """(frozen weights and buffers, LoRA state) of the whole model: they do not depend on the length.
+    ``quant="nf4"``: the decoder's frozen linear weights as QLoRA stores them (``nf4_bytes``); the embeddings, the
+    LM head and the norms stay in ``dtype`` (bitsandbytes keeps the head unquantised)."""
+    if quant not in (None, "nf4"):
+        raise ValueError(f"ddp_patches.memsim: expected quant None or 'nf4' (QLoRA's 4-bit base); found {quant!r}")
+    key = (config.to_json_string(), layers, lora_r, dtype, quant)
     if key not in _static:
-        _static[key] = _static_bytes(build(config, layers=layers, lora_r=lora_r, dtype=dtype))
+        _static[key] = _static_bytes(build(config, layers=layers, lora_r=lora_r, dtype=dtype), quant)
     return _static[key]
 
 
-def _static_bytes(model) -> tuple[int, int]:
+NF4_BLOCK = 64  # bitsandbytes' 4-bit block size: one absmax per 64 weights
+NF4_NESTED_BLOCK = 256  # double quantisation: the absmaxes as uint8, one float32 scale per 256 of them
+
+
+def nf4_bytes(numel: int, *, double_quant: bool = True) -> int:
+    """Bytes of one weight stored by bitsandbytes as NF4: two weights a byte, plus its quant state (the absmax of
+    each block; with double quantisation, QLoRA's default, those as uint8 with float32 scales, a 256-entry code and
+    an offset; the 16-entry NF4 code)."""
+    blocks = -(-numel // NF4_BLOCK)
+    state = 16 * 4
+    if double_quant:
+        state += blocks + 4 * -(-blocks // NF4_NESTED_BLOCK) + 256 * 4 + 4
+    else:
+        state += 4 * blocks
+    return -(-numel // 2) + state
+
+
+def _quantised(model) -> list:
+    """The frozen weights QLoRA stores as NF4: every linear layer's base weight inside the decoder layers."""
+    found = []
+    for layer in _decoder_layers(model):
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+                found.append(module.weight)
+    return found
+
+
+def _dequantised_bytes(config, dtype) -> int:
+    """The transient of QLoRA's matmul: the largest base weight dequantised to ``dtype`` (forward and backward)."""
+    text = _text_config(config)
+    hidden = text.hidden_size
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    return hidden * max(inter, hidden) * torch.empty((), dtype=dtype).element_size()
+
+
+def _static_bytes(model, quant: str | None = None) -> tuple[int, int]:
     weights = sum(t.numel() * t.element_size() for t in model.parameters() if not t.requires_grad)
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    if quant:
+        for w in _quantised(model):
+            weights += nf4_bytes(w.numel()) - w.numel() * w.element_size()
     lora = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return weights, lora * 2 + sum(p.numel() * 4 * 2 for p in model.parameters() if p.requires_grad)
 
@@ -346,10 +405,19 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def size_class(nbytes: int) -> int:
+    """The pinned bytes one offloaded tensor takes: the pool's power-of-two class (``pinned_pool.size_class``)."""
+    from .offload.pinned_pool import size_class as pool_class
+
+    return pool_class(nbytes)
+
+
 @contextlib.contextmanager
-def _offloading(model, live: LiveBytes):
+def _offloading(model, live: LiveBytes, pinned_cap: int | None = None):
     """Offload as modelled (NOTE [What the simulation models]): a layer's input is host bytes between the end of
-    its forward and its recompute; at layer k's recompute the input of layer k-1 comes back too (prefetch 1)."""
+    its forward and its recompute; at layer k's recompute the input of layer k-1 comes back too (prefetch 1).
+    Under ``pinned_cap`` the pool's rule: an input whose size class no longer fits beside the classes taken stays
+    on the device (``live.pinned``: the pinned bytes taken)."""
     layers = _decoder_layers(model)
     inputs: dict[int, weakref.ref] = {}
 
@@ -374,6 +442,10 @@ def _offloading(model, live: LiveBytes):
             x = hidden(args, kwargs)
             if _in_backward() or not torch.is_grad_enabled() or x is None or k in (0, len(layers) - 1):
                 return
+            wanted = size_class(x.untyped_storage().nbytes())
+            if pinned_cap is not None and live.pinned + wanted > pinned_cap:
+                return  # the pool refuses: the input stays on the device
+            live.pinned += wanted
             inputs[k] = weakref.ref(x)
             live.move(x, "host")
         return hook
@@ -421,6 +493,34 @@ def _tiling(model):
             del mlp.forward
 
 
+def own_module(name: str):
+    """``ddp_patches.<name>`` where this package's own folder has it, else None (an editable install of another
+    checkout must not lend its modules)."""
+    import importlib
+    import importlib.machinery
+    import sys
+
+    package = sys.modules[__package__]
+    if importlib.machinery.PathFinder.find_spec(f"{__package__}.{name}", list(package.__path__)) is None:
+        return None
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def _attention_tiling(model):
+    """The sequence-tiled attention block's own simulation hook (Features docstring), or NotImplementedError."""
+    tiling = getattr(own_module("tiled_attention"), "memsim_tiling", None)
+    if tiling is None:
+        raise NotImplementedError("ddp_patches.memsim: Features(tiled_attention=True) runs "
+                                  "ddp_patches.tiled_attention.memsim_tiling(model) (a context manager); this "
+                                  "ddp_patches has no such function: simulate without tiled_attention")
+    return tiling(model)
+
+
+def tiled_attention_available() -> bool:
+    """Whether ``ddp_patches.tiled_attention`` offers the simulation hook ``memsim_tiling``."""
+    return callable(getattr(own_module("tiled_attention"), "memsim_tiling", None))
+
+
 @contextlib.contextmanager
 def _gpu_folds(live: LiveBytes):
     """TRL's tile folds as the GPU runs them (NOTE [What the simulation models]); restored on exit."""
@@ -429,14 +529,11 @@ def _gpu_folds(live: LiveBytes):
     saved = {name: vars(chunked_logprob)[name] for name in ("_forward_tile", "_backward_tile")
              if name in vars(chunked_logprob)}  # a TRL without them: its torch ops are counted as they run
 
-    def in_place(fold):
-        def run(*args, **kwargs):
-            with live.uncounted():
-                return fold(*args, **kwargs)
-        return run
+    def no_fold(*args, **kwargs):
+        return None  # the fold writes its accumulators and the tile in place: on fake tensors nothing is left to run
 
-    for name, fold in saved.items():
-        setattr(chunked_logprob, name, in_place(fold))
+    for name in saved:
+        setattr(chunked_logprob, name, no_fold)
     try:
         yield
     finally:
@@ -444,7 +541,11 @@ def _gpu_folds(live: LiveBytes):
             setattr(chunked_logprob, name, fold)
 
 
-def _loss(model, ids: torch.Tensor, fused_head: bool) -> torch.Tensor:
+def _loss(model, ids: torch.Tensor, fused_head: bool, legacy: bool = False) -> torch.Tensor:
+    if legacy and not fused_head:  # LlamaForCausalLM.forward of transformers 4.44 (what published 2024 runs used)
+        logits = model(input_ids=ids).logits.float()
+        shift_logits = logits[..., :-1, :].contiguous().view(-1, logits.shape[-1])
+        return torch.nn.functional.cross_entropy(shift_logits, ids[..., 1:].contiguous().view(-1))
     if not fused_head:
         return model(input_ids=ids, labels=ids).loss  # transformers' own: logits, their float32 upcast, the loss
     from trl.kernels import ChunkedLogProbFunction
@@ -453,8 +554,10 @@ def _loss(model, ids: torch.Tensor, fused_head: bool) -> torch.Tensor:
     base = model.get_base_model()
     hidden = base.base_model(input_ids=ids).last_hidden_state  # the decoder (Llama's model, GPT-NeoX's gpt_neox)
     head = base.get_output_embeddings()
-    out = ChunkedLogProbFunction.apply(hidden[0, :-1], head.weight, head.bias, ids[0, 1:], 1.0,
-                                       _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("log_probs",))
+    rows = hidden[:, :-1] if ids.shape[0] > 1 else hidden[0, :-1]  # batch 1: the view the calibration ran
+    out = ChunkedLogProbFunction.apply(rows.reshape(-1, hidden.shape[-1]), head.weight, head.bias,
+                                       ids[:, 1:].reshape(-1), 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+                                       ("log_probs",))
     return -out[0].mean()
 
 
@@ -491,30 +594,71 @@ def fused_head_available() -> bool:
     return True
 
 
-def activation_run(config, seq: int, features: Features, *, layers: int, lora_r: int = 16,
-                   dtype=torch.bfloat16) -> LiveBytes:
-    """One forward + backward of ``layers`` layers at ``seq`` tokens; its ``LiveBytes`` (peaks, peak phase)."""
+_models: dict = {}  # (config, layers, rank, dtype) -> (model, its FakeTensorMode): built once per planner call
+_MODELS_KEPT = 8
+
+
+def _fake_model(config, layers: int, lora_r: int, dtype):
+    """The model of ``build`` with fake parameters, and the FakeTensorMode they belong to; built once and reused
+    (a run leaves nothing behind: its hooks and patches are removed, its gradients dropped)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if features.fused_head and not fused_head_available():
+    key = (config.to_json_string(), layers, lora_r, dtype)
+    if key not in _models:
+        model = build(config, layers=layers, lora_r=lora_r, dtype=dtype)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            _materialise(model)
+        while len(_models) >= _MODELS_KEPT:
+            _models.pop(next(iter(_models)))
+        _models[key] = (model, mode)
+    return _models[key]
+
+
+_runs: dict = {}  # the last runs' results (their LiveBytes): a search asks for some twice
+_RUNS_KEPT = 64
+
+
+def activation_run(config, seq: int, features: Features, *, layers: int, lora_r: int = 16,
+                   dtype=torch.bfloat16, batch: int = 1, pinned_cap: int | None = None) -> LiveBytes:
+    """One forward + backward of ``layers`` layers at ``batch`` x ``seq`` tokens; its ``LiveBytes`` (peaks, peak
+    phase, pinned bytes). ``pinned_cap``: offload's pinned-pool cap (None: no cap)."""
+    config = _config(config)
+    key = (config.to_json_string(), seq, features, layers, lora_r, dtype, batch, pinned_cap)
+    if key not in _runs:
+        while len(_runs) >= _RUNS_KEPT:
+            _runs.pop(next(iter(_runs)))
+        _runs[key] = _activation_run(config, seq, features, layers=layers, lora_r=lora_r, dtype=dtype, batch=batch,
+                                     pinned_cap=pinned_cap)
+    return _runs[key]
+
+
+def _activation_run(config, seq: int, features: Features, *, layers: int, lora_r: int, dtype, batch: int,
+                    pinned_cap: int | None) -> LiveBytes:
+    if features.chunked_head and not fused_head_available():
         raise ImportError("ddp_patches.memsim: the fused head runs TRL's chunked head (trl.kernels."
                           "ChunkedLogProbFunction); this TRL has none: upgrade TRL (1.16 has it)")
-    model = build(_config(config), layers=layers, lora_r=lora_r, dtype=dtype)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        _materialise(model)
-        ids = torch.zeros(1, seq, dtype=torch.long)
+    model, mode = _fake_model(config, layers, lora_r, dtype)
+    with mode:
+        ids = torch.zeros(batch, seq, dtype=torch.long)
         live = LiveBytes()
         live.exclude([*model.parameters(), *model.buffers(), ids])
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_phases(model, live))
-            if features.offload:
-                stack.enter_context(_offloading(model, live))
-            if features.tiled_mlp:
-                stack.enter_context(_tiling(model))
-            if features.fused_head:
-                stack.enter_context(_gpu_folds(live))
-            with live:
-                _loss(model, ids, features.fused_head).backward()
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(_phases(model, live))
+                if features.offload:
+                    stack.enter_context(_offloading(model, live, pinned_cap))
+                if features.tiled_mlp:
+                    stack.enter_context(_tiling(model))
+                if features.tiled_attention:
+                    stack.enter_context(_attention_tiling(model))
+                if features.chunked_head:
+                    stack.enter_context(_gpu_folds(live))
+                with live:
+                    _loss(model, ids, features.chunked_head, features.legacy_loss).backward()
+        finally:
+            for p in model.parameters():
+                p.grad = None
     return live
 
 
@@ -527,29 +671,67 @@ def activation_peak(config, seq: int, features: Features, *, layers: int, lora_r
 
 PROBE_LAYERS = (3, 4)  # the per-layer increment is measured between these (offload keeps the first and last)
 
+# NOTE [Pinned cap in the simulation]
+# Rule: offload under a pinned cap is the pool's: each offloaded input takes its power-of-two size class, and an
+# input whose class no longer fits beside those taken stays on the device (the first middle layers go to the host,
+# the later ones stay). Run whole, ``_offloading`` applies it; extrapolated from 3 and 4 layers (run uncapped), the
+# inputs kept add one input each to the peak, less the one the uncapped run had already prefetched back when the
+# peak is in a layer's recompute (at the LM head nothing is prefetched). Against 8 layers run whole: exact with the
+# peak at the head, 0.2% high in a recompute (the planner errs short).
+# Test: tests/test_memsim.py::test_pinned_cap_keeps_the_excess_on_the_device
+
 
 def simulate(config, seq: int, features: Features = Features(), *, lora_r: int = 16, layers: int | None = None,
-             dtype=torch.bfloat16) -> Step:
-    """One training step of ``config``'s causal LM at ``seq`` tokens (batch 1), LoRA r=``lora_r``: a simulation.
+             dtype=torch.bfloat16, batch: int = 1, pinned_cap: int | None = None, quant: str | None = None,
+             per_layer: tuple[int, int] | None = None) -> Step:
+    """One training step of ``config``'s causal LM at ``batch`` x ``seq`` tokens, LoRA r=``lora_r``: a simulation.
 
     With more layers than ``PROBE_LAYERS``, the activation peak is the one of 4 layers plus what each further layer
-    adds (measured between 3 and 4 layers: a checkpointed layer keeps only its input, on the device or the host).
+    adds (measured between 3 and 4 layers: a checkpointed layer keeps only its input, on the device or the host;
+    ``per_layer``: that increment's (device, host) bytes already known at this length, and then 3 layers run
+    alone). Offload under ``pinned_cap``: NOTE [Pinned cap in the simulation]. ``quant="nf4"``: QLoRA's frozen
+    base linear weights as bitsandbytes NF4 (``nf4_bytes``), activations still simulated in ``dtype``.
     """
     config = _config(config)
     total = layers or _text_config(config).num_hidden_layers
     small, large = PROBE_LAYERS
+    run_args = {"lora_r": lora_r, "dtype": dtype, "batch": batch}
+    pinned = per_host = 0
     if total <= large:
-        run = activation_run(config, seq, features, layers=total, lora_r=lora_r, dtype=dtype)
-        act, host, per_layer = run.peak["device"], run.peak["host"], 0
+        run = activation_run(config, seq, features, layers=total, pinned_cap=pinned_cap, **run_args)
+        act, host, per_layer_device, pinned = run.peak["device"], run.peak["host"], 0, run.pinned
     else:
-        few = activation_run(config, seq, features, layers=small, lora_r=lora_r, dtype=dtype)
-        run = activation_run(config, seq, features, layers=large, lora_r=lora_r, dtype=dtype)
-        per_layer = run.peak["device"] - few.peak["device"]
-        act = run.peak["device"] + (total - large) * per_layer
-        host = run.peak["host"] + (total - large) * (run.peak["host"] - few.peak["host"])
-    weights, lora = static_bytes(config, layers=total, lora_r=lora_r, dtype=dtype)
-    return Step(seq=seq, layers=total, weights=weights, lora=lora, activations=act, host=host, per_layer=per_layer,
-                peak_in=run.peak_phase)
+        if per_layer is None:
+            run = activation_run(config, seq, features, layers=large, **run_args)
+            few = activation_run(config, seq, features, layers=small, **run_args)
+            per_layer = (run.peak["device"] - few.peak["device"], run.peak["host"] - few.peak["host"])
+        else:  # the increment is known: the smaller probe alone
+            run, large = activation_run(config, seq, features, layers=small, **run_args), small
+        per_layer_device, per_host = per_layer
+        act = run.peak["device"] + (total - large) * per_layer_device
+        moved = (total - 2) if per_host > 0 else 0  # offload keeps the first and the last layer's input
+        host, pinned = moved * per_host, moved * size_class(per_host) if moved else 0
+    weights, lora = static_bytes(config, layers=total, lora_r=lora_r, dtype=dtype, quant=quant)
+    if quant:
+        act += _dequantised_bytes(config, dtype)
+    step = Step(seq=seq, layers=total, weights=weights, lora=lora, activations=act, host=host,
+                per_layer=per_layer_device, peak_in=run.peak_phase, batch=batch, pinned=pinned,
+                per_layer_host=per_host)
+    return step if total <= large else capped(step, pinned_cap)
+
+
+def capped(step: Step, pinned_cap: int | None) -> Step:
+    """``step`` (extrapolated, offload uncapped) under offload's pinned cap: NOTE [Pinned cap in the simulation]."""
+    per_host = step.per_layer_host
+    moved = (step.layers - 2) if per_host > 0 else 0
+    if not moved or pinned_cap is None:
+        return step
+    kept = moved - min(moved, pinned_cap // size_class(per_host))
+    if not kept:
+        return step
+    extra = kept * per_host - (per_host if step.peak_in == "layer" else 0)
+    return dataclasses.replace(step, activations=step.activations + extra, host=(moved - kept) * per_host,
+                               pinned=(moved - kept) * size_class(per_host))
 
 
 def mlp_peak(hidden: int, intermediate: int, tokens: int, *, tiled: bool, shards: int | None = None,

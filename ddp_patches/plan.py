@@ -64,6 +64,17 @@ def check_arguments(args) -> None:
         raise ValueError(f"--gpu-memory: {e}") from None
     if args.lora_r < 1:
         raise ValueError(f"--lora-r expects a number >= 1; found {args.lora_r}")
+    if getattr(args, "host_memory", None):
+        try:
+            parse_bytes(args.host_memory)
+        except ValueError as e:
+            raise ValueError(f"--host-memory: {e}".replace("a GPU's memory", "a host's memory")) from None
+    if not 1 <= getattr(args, "batch", 1) <= 4096:
+        raise ValueError(f"--batch expects a number of sequences from 1 to 4096; found {args.batch}")
+    if not 1 <= getattr(args, "gpus_per_node", 1) <= 1024:
+        raise ValueError(f"--gpus-per-node expects a number from 1 to 1024; found {args.gpus_per_node}")
+    if getattr(args, "jobs", None) is not None and not 1 <= args.jobs <= 64:
+        raise ValueError(f"--jobs expects a number of processes from 1 to 64; found {args.jobs}")
     if args.seq is not None and not 1 <= args.seq <= MOST_TOKENS:
         raise ValueError(f"--seq expects a number of tokens from 1 to {MOST_TOKENS} (2^24, the longest the planner "
                          f"searches); found {args.seq}")
@@ -85,9 +96,10 @@ def limit_of(step: memsim.Step) -> str:
 
 
 def longest(config, features: memsim.Features, budget: int, *, lora_r: int = 16, resolution: int = 1024,
-            first: int = 16384, most: int = MOST_TOKENS) -> tuple[int, memsim.Step | None]:
-    """The longest multiple of ``resolution`` (to 1/64 of it) whose step fits ``usable(budget)``; (0, None) if
-    none does.
+            first: int = 16384, most: int = MOST_TOKENS, fine: bool = False,
+            **shape) -> tuple[int, memsim.Step | None]:
+    """The longest multiple of ``resolution`` (to 1/64 of it; to ``resolution`` itself when ``fine``) whose step
+    fits ``usable(budget)``; (0, None) if none does. ``shape``: ``simulate``'s batch, quant and pinned_cap.
 
     The device bytes grow with the length, about linearly (flash-style attention; a checkpointed layer keeps S x H)
     but not exactly (TRL's chunked head works in chunks of 32K tokens), so the search brackets the answer (linear
@@ -96,7 +108,7 @@ def longest(config, features: memsim.Features, budget: int, *, lora_r: int = 16,
     cap = usable(budget)
 
     def device(n: int) -> memsim.Step:
-        return simulate(config, n, features, lora_r=lora_r)
+        return simulate(config, n, features, lora_r=lora_r, **shape)
 
     lo, lo_step, hi, hi_bytes = 0, None, None, None
     n = first
@@ -120,7 +132,7 @@ def longest(config, features: memsim.Features, budget: int, *, lora_r: int = 16,
             return 0, None
         lo = resolution
     last, repeats = None, 0
-    while hi - lo > max(resolution, lo // 64):  # within 1.6%: finer than the simulation's own error
+    while hi - lo > (resolution if fine else max(resolution, lo // 64)):  # 1.6%: finer than the simulation's error
         if repeats >= 2:  # interpolation kept moving the same end: halve instead
             guess = lo + (hi - lo) // 2
         else:
@@ -137,11 +149,111 @@ def longest(config, features: memsim.Features, budget: int, *, lora_r: int = 16,
     return lo, lo_step
 
 
-def simulate(config, seq: int, features: memsim.Features, *, lora_r: int) -> memsim.Step:
+FIT_LENGTHS = (16384, 32768)  # the two lengths the fast search fits the line through (full 3- and 4-layer runs)
+
+# NOTE [The fast search]
+# Rule: with flash-style attention a step's bytes are affine in the length for one set of features, piecewise
+# (TRL's head works in 32K-token chunks; the tiled MLP's shard count grows to its cap; a pinned cap keeps inputs
+# on the GPU). A full simulation (3 and 4 layers) at the first of FIT_LENGTHS gives the per-layer increment (a
+# checkpointed layer's input: proportional to the length on the device, or a constant once offloaded); from then
+# on a step is a 3-layer run plus that increment. The second length gives the line; its crossing of the budget is
+# checked by such a step, and each check corrects the next guess by the line through the nearest points, until
+# one step of the resolution more does not fit by the local line; the answer is then simulated in full (a run of 4
+# layers more, stepping down where it no longer fits). About 5 runs a setup instead of 20-30;
+# ``--exact`` keeps the full search (to the resolution). Agrees with it within 1024 tokens (small config, Llama-8B).
+# The setups run in two forked processes where the machine has two CPUs (``--jobs``).
+# Test: tests/test_memsim.py::test_fast_search_matches_the_exact_one
+
+
+def longest_fast(config, features: memsim.Features, budget: int, *, lora_r: int = 16, resolution: int = 1024,
+                 most: int = MOST_TOKENS, pinned_cap: int | None = None, **shape) -> tuple[int, memsim.Step | None]:
+    """``longest`` from a line and a few checks: NOTE [The fast search]."""
+    cap = usable(budget)
+    layers = memsim._text_config(config).num_hidden_layers
+    whole = layers <= memsim.PROBE_LAYERS[1]  # run whole: the cap is applied inside the run
+    runs: dict[int, memsim.Step] = {}  # length -> its step, offload not capped (unless run whole)
+
+    def run(n: int) -> memsim.Step:
+        runs[n] = simulate(config, n, features, lora_r=lora_r, per_layer=None if whole or not runs else per_layer(n),
+                           pinned_cap=pinned_cap if whole else None, **shape)
+        return runs[n]
+
+    def device(step: memsim.Step) -> int:
+        return step.device if whole else memsim.capped(step, pinned_cap).device
+
+    n1, n2 = FIT_LENGTHS
+    first = run(n1)
+
+    def per_layer(n: int) -> tuple[int, int]:  # device: a kept input (proportional) or offloaded, a constant
+        device_bytes = first.per_layer if features.offload else first.per_layer * n // n1
+        return device_bytes, first.per_layer_host * n // n1
+
+    def extra(n: int, phase: str) -> int:  # what the pinned cap adds at n (0 run whole: measured in the run)
+        if whole:
+            return 0
+        probe = dataclasses.replace(first, activations=0, peak_in=phase, per_layer_host=per_layer(n)[1])
+        return memsim.capped(probe, pinned_cap).activations
+
+    def guess(p0: tuple[int, memsim.Step], p1: tuple[int, memsim.Step]) -> int:
+        """The longest multiple of the resolution the line through two runs (plus the cap's share) keeps within
+        the budget; 0 where none."""
+        (x0, s0), (x1, s1) = p0, p1
+        rate = (s1.device - s0.device) / (x1 - x0)
+
+        def fits(n: int) -> bool:
+            return s0.device + (n - x0) * rate + extra(n, s1.peak_in) <= cap
+
+        lo, hi = 0, most // resolution + 1  # in steps of the resolution: fits(lo * resolution) or lo == 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid * resolution) else (lo, mid)
+        return lo * resolution
+
+    run(n2)
+    for turn in range(16):  # each turn one 3-layer run (with the known increment) at the guess
+        points = sorted(runs.items())
+        below = [p for p in points if device(p[1]) <= cap]
+        above = [p for p in points if device(p[1]) > cap]
+        lo = below[-1] if below else (0, None)
+        hi = above[0] if above else None
+        if hi is not None and hi[0] - lo[0] <= resolution or lo[0] >= most:
+            break
+        if lo[1] is not None and hi is not None:
+            pair = (lo, hi)
+        else:
+            pair = tuple(points[-2:]) if hi is None else tuple(points[:2])
+        n = guess(*pair)
+        if turn >= 4 and hi is not None:  # the line keeps missing: halve the bracket
+            n = (lo[0] + hi[0]) // 2 // resolution * resolution
+        if hi is not None:
+            n = min(n, hi[0] - resolution)
+        if n <= lo[0]:
+            if lo[1] is not None or n > 0 or resolution in runs:
+                break  # one step of the resolution more does not fit by the local line
+            n = resolution
+        if n in runs:
+            break
+        run(n)
+    below = [p for p in sorted(runs.items()) if device(p[1]) <= cap]
+    if not below:
+        return 0, None
+    n = below[-1][0]
+    if whole:
+        return n, runs[n]
+    for n in range(n, max(0, n - 8 * resolution), -resolution):  # checked by a full simulation (3 and 4 layers)
+        full = simulate(config, n, features, lora_r=lora_r, pinned_cap=pinned_cap, **shape)
+        if full.device <= cap:
+            return n, full
+        # the per-layer increment moved with the peak's place (a few KiB a layer): one step of the resolution down
+    return longest(config, features, budget, lora_r=lora_r, resolution=resolution, fine=True, pinned_cap=pinned_cap,
+                   **shape)
+
+
+def simulate(config, seq: int, features: memsim.Features, *, lora_r: int, **shape) -> memsim.Step:
     """``memsim.simulate``; a config that transformers builds but cannot run at ``seq`` tokens (an encoder set up as
     a decoder with 512 positions, a shape its layers refuse) is a ValueError on one line, not a traceback."""
     try:
-        return memsim.simulate(config, seq, features, lora_r=lora_r)
+        return memsim.simulate(config, seq, features, lora_r=lora_r, **shape)
     except (RuntimeError, ArithmeticError, LookupError, TypeError, AttributeError) as e:
         model_type = getattr(config, "model_type", "the model")
         raise ValueError(f"ddp_patches plan: a step of {model_type} at {seq:,} tokens failed in the "
@@ -160,48 +272,157 @@ def _check_plan(text, budget: int, lora_r: int) -> None:
                          f"found {lora_r}")
 
 
-def plan(config, *, budget: int, lora_r: int = 16, seq: int | None = None) -> dict:
+def _module_exists(name: str) -> bool:
+    return memsim.own_module(name) is not None
+
+
+def setups() -> tuple[Setup, ...]:
+    """``SETUPS``, and the rows of features being built where their modules exist: the library's chunked loss
+    (``ddp_patches.chunked_loss``) and tiled attention (``ddp_patches.tiled_attention`` with ``memsim_tiling``)."""
+    extra = []
+    if _module_exists("chunked_loss"):
+        extra.append(Setup("patched, chunked loss (HF Trainer)",
+                           memsim.Features(tiled_mlp=True, offload=True, chunked_loss=True),
+                           "apply(tiled_mlp=True, offload=True, chunked_loss=True), transformers' Trainer"))
+    if memsim.tiled_attention_available():
+        extra.append(Setup("patched + tiled attention",
+                           memsim.Features(tiled_mlp=True, offload=True, fused_head=True, tiled_attention=True),
+                           "apply(tiled_mlp=True, offload=True, tiled_attention=True), TRL SFTTrainer"))
+    return SETUPS + tuple(extra)
+
+
+HOST_PINNABLE = 0.5  # of a GPU's share of host memory, the most the planner lets offload pin (NOTE [Host memory])
+DEFAULT_GPUS_PER_NODE = 8
+
+# NOTE [Host memory]
+# Rule: a row never assumes more pinned host memory than the options it prints give. Offload's pool is capped per
+# rank (``apply(offload_max_pinned_bytes=...)``, default a quarter of RAM / LOCAL_WORLD_SIZE) and takes a power-of-
+# two class per input; beyond the cap inputs stay on the GPU (NOTE [Pinned cap in the simulation]). With
+# --host-memory the planner lets offload pin at most half of a GPU's share (host / --gpus-per-node): the row is the
+# longest under that, and prints the pinned bytes it needs and ``offload_max_pinned_bytes`` where the default cap
+# is smaller. Without --host-memory nothing caps the simulation, and every offload row names its explicit cap.
+# Test: tests/test_memsim.py::test_plan_names_the_pinned_cap_a_row_needs
+
+
+def pinned_limits(host: int | None, gpus_per_node: int) -> tuple[int | None, int | None]:
+    """(the default pinned cap per rank, the most the planner lets offload pin per rank); None without a host."""
+    if host is None:
+        return None, None
+    return int(host * 0.25) // gpus_per_node, int(host * HOST_PINNABLE) // gpus_per_node
+
+
+def _how(setup: Setup, step: memsim.Step | None, default_cap: int | None) -> str:
+    """What to pass; for offload, the pinned cap where the default does not give what the row needs."""
+    if not setup.features.offload or step is None or not step.pinned:
+        return setup.how
+    if default_cap is not None and step.pinned <= default_cap:
+        return setup.how + " (the default pinned cap suffices)"
+    return setup.how.replace("offload=True", f"offload=True, offload_max_pinned_bytes={step.pinned}")
+
+
+def _row(task) -> dict:
+    """One setup's row of the plan."""
+    config, setup, budget, lora_r, seq, batch, quant, default_cap, most_pinned, exact = task
+    if setup.features.chunked_head and not memsim.fused_head_available():
+        return {"setup": setup.name, "longest": None, "how": setup.how, "at_longest": None, "pinned": 0,
+                "limit": "not simulated: this TRL has no chunked head (trl.kernels); TRL 1.16 has"}
+    shape = {"batch": batch, "quant": quant, "pinned_cap": most_pinned if setup.features.offload else None}
+    if exact:
+        n, step = longest(config, setup.features, budget, lora_r=lora_r, fine=True, **shape)
+    else:
+        n, step = longest_fast(config, setup.features, budget, lora_r=lora_r, **shape)
+    row = {"setup": setup.name, "longest": n, "how": _how(setup, step, default_cap),
+           "limit": limit_of(step) if step else "frozen weights and LoRA state alone",
+           "pinned": step.pinned if step else 0, "at_longest": step.as_dict() if step else None}
+    if seq:
+        at = simulate(config, seq, setup.features, lora_r=lora_r, **shape)
+        row["fits_seq"] = at.device <= usable(budget)
+        row["at_seq"] = at.as_dict()
+    return row
+
+
+def default_jobs() -> int:
+    """Processes for the setups: two where the CPUs allow and processes fork (NOTE [The fast search])."""
+    import multiprocessing
+    import os
+    import sys
+
+    if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    return max(1, min(2, len(os.sched_getaffinity(0))))
+
+
+def _map(function, tasks: list, jobs: int) -> list:
+    """``function`` over ``tasks``, in order; in ``jobs`` forked processes (the simulation is CPU-bound Python)."""
+    if jobs <= 1 or len(tasks) <= 1 or memsim._models or memsim._static:
+        # a process that has built a simulated model already can hold a lock a forked child waits on forever (seen
+        # once): fork only before the first simulation, as the command line does
+        return [function(task) for task in tasks]
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks))) as pool:
+        return pool.map(function, tasks, chunksize=1)
+
+
+def plan(config, *, budget: int, lora_r: int = 16, seq: int | None = None, batch: int = 1, quant: str | None = None,
+         host: int | None = None, gpus_per_node: int = DEFAULT_GPUS_PER_NODE, exact: bool = False,
+         jobs: int | None = None) -> dict:
     config = memsim._config(config)
     text = memsim._text_config(config)
-    rows = []
     _check_plan(text, budget, lora_r)
-    for setup in SETUPS:
-        if setup.features.fused_head and not memsim.fused_head_available():
-            rows.append({"setup": setup.name, "longest": None, "how": setup.how, "at_longest": None,
-                         "limit": "not simulated: this TRL has no chunked head (trl.kernels); TRL 1.16 has"})
-            continue
-        n, step = longest(config, setup.features, budget, lora_r=lora_r)
-        row = {"setup": setup.name, "longest": n, "how": setup.how,
-               "limit": limit_of(step) if step else "frozen weights and LoRA state alone",
-               "at_longest": step.as_dict() if step else None}
-        if seq:
-            at = simulate(config, seq, setup.features, lora_r=lora_r)
-            row["fits_seq"] = at.device <= usable(budget)
-            row["at_seq"] = at.as_dict()
-        rows.append(row)
+    default_cap, most_pinned = pinned_limits(host, gpus_per_node)
+    jobs = default_jobs() if jobs is None else jobs
+    tasks = [(config, setup, budget, lora_r, seq, batch, quant, default_cap, most_pinned, exact) for setup in setups()]
+    rows = _map(_row, tasks, jobs)
     return {"simulation": True, "model_type": text.model_type, "layers": text.num_hidden_layers,
             "hidden": text.hidden_size, "lora_r": lora_r, "budget": budget, "usable": usable(budget), "seq": seq,
+            "batch": batch, "quant": quant, "host": host, "gpus_per_node": gpus_per_node,
+            "default_pinned_cap": default_cap, "most_pinned": most_pinned, "exact": exact,
             "calibration": CALIBRATION, "rows": rows}
 
 
+QUANT_NOTE = ("QLoRA: the decoder's frozen linear weights counted as bitsandbytes NF4 (0.5 byte a weight plus the "
+              "double-quantised state; embeddings, LM head and norms in bf16), plus one dequantised weight; the "
+              "activations are simulated in bf16 (no 4-bit model runs on fake tensors)")
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
 def render(result: dict) -> str:
+    quant = result.get("quant")
+    batch = result.get("batch", 1)
     lines = [f"ddp_patches plan -- a SIMULATION (fake tensors on the CPU, no GPU was used): {result['model_type']}, "
-             f"{result['layers']} layers, hidden {result['hidden']}, LoRA r={result['lora_r']} on every linear "
-             f"layer, bf16, batch 1, one GPU of {result['budget'] / GiB:.1f} GiB (live bytes may reach "
+             f"{result['layers']} layers, hidden {result['hidden']}, {'QLoRA (NF4 base)' if quant else 'LoRA'} "
+             f"r={result['lora_r']} on every linear layer, bf16, batch {batch}, one GPU of "
+             f"{result['budget'] / GiB:.1f} GiB (live bytes may reach "
              f"{result['usable'] / GiB:.1f} GiB: the rest is kept for the CUDA context and the allocator)",
-             f"calibration: {result['calibration']}", ""]
+             f"calibration: {result['calibration']}"]
+    if quant:
+        lines.append(QUANT_NOTE)
+    host = result.get("host")
+    if host:
+        lines.append(f"host: {_gib(host)} for {result['gpus_per_node']} GPUs: offload's default pinned cap "
+                     f"{_gib(result['default_pinned_cap'])} per GPU; the planner lets it pin at most "
+                     f"{_gib(result['most_pinned'])} per GPU (half of a GPU's share)")
+    elif "host" in result:
+        lines.append("host memory not given (--host-memory): offload is not capped; each offload row names the pinned "
+                     "host memory it needs per GPU and the cap to set")
+    lines.append("")
     seq = result["seq"]
-    head = "| setup | longest sequence | limited by | what to pass |"
+    head = "| setup | longest sequence | pinned host per GPU | limited by | what to pass |"
     if seq:
-        head = f"| setup | {seq} tokens fit? | longest sequence | limited by | what to pass |"
+        head = f"| setup | {seq} tokens fit? | longest sequence | pinned host per GPU | limited by | what to pass |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for row in result["rows"]:
         fits = (f" {'yes' if row['fits_seq'] else 'no'} ({row['at_seq']['device'] / GiB:.1f} GiB) |"
                 if seq else "")
         if row["longest"] is None:
-            lines.append(f"| {row['setup']} |{' - |' if seq else ''} - | {row['limit']} | {row['how']} |")
+            lines.append(f"| {row['setup']} |{' - |' if seq else ''} - | - | {row['limit']} | {row['how']} |")
             continue
-        lines.append(f"| {row['setup']} |{fits} {row['longest']:,} | {row['limit']} | {row['how']} |")
+        pinned = _gib(row["pinned"]) if row.get("pinned") else "0"
+        lines.append(f"| {row['setup']} |{fits} {row['longest']:,} | {pinned} | {row['limit']} | {row['how']} |")
     return "\n".join(lines)
 
 
@@ -209,7 +430,11 @@ def main(args) -> int:
     import json
     import sys
 
-    result = plan(args.config, budget=parse_bytes(args.gpu_memory), lora_r=args.lora_r, seq=args.seq)
+    host = parse_bytes(args.host_memory) if getattr(args, "host_memory", None) else None
+    result = plan(args.config, budget=parse_bytes(args.gpu_memory), lora_r=args.lora_r, seq=args.seq,
+                  batch=getattr(args, "batch", 1), quant="nf4" if getattr(args, "qlora", False) else None,
+                  host=host, gpus_per_node=getattr(args, "gpus_per_node", DEFAULT_GPUS_PER_NODE),
+                  exact=getattr(args, "exact", False), jobs=getattr(args, "jobs", None))
     sys.stdout.write((json.dumps(result, indent=2) if args.json else render(result)) + "\n")
     return 0
 
@@ -233,3 +458,59 @@ def readme_block(results: dict[str, dict]) -> str:
         lines.append(f"| {label} | {n[0]:,} | {n[1]:,} | {n[2]:,} | {n[3]:,} | {n[4]:,} | {n[4] / n[1]:.2f}x | "
                      f"{n[4] / n[0]:.2f}x | {rows[names[4]]['limit']} | {n[5]:,}: {rows[names[5]]['limit']} |")
     return "\n".join(lines + ["", README_END])
+
+
+LONG_START = ("<!-- long-context:start (python -m ddp_patches plan --config tests/data/llama-3.1-8b --gpu-memory "
+              "<size> [--qlora --lora-r 32] --json; docs/data/plan-long-context.json) -->")
+LONG_END = "<!-- long-context:end -->"
+PUBLISHED = (  # what others publish, with their setups (not simulated here)
+    ("Unsloth (blog, 2024): Llama-3.1-8B, QLoRA 4-bit on all linear layers, r=32, batch 1, gradient checkpointing "
+     "(Unsloth's offloaded), Unsloth's kernels", {"80 GB": "342,733", "48 GB": "191,728", "40 GB": "153,977",
+                                                  "24 GB": "78,475"}),
+    ("Unsloth's baseline: the same with Hugging Face + FlashAttention-2", {"80 GB": "28,454"}),
+    ("ALST (Arctic Long Sequence Training, 2025): Llama-3.1-8B full fine-tuning, weights and optimizer states on "
+     "the host (ZeRO-3 offload), one H100 80 GB", {"80 GB": "500K"}),
+    ("ALST's ladder on one H200 141 GB: baseline / + tiled loss / + checkpoint offload to the host / + tiled MLP",
+     {"141 GB": "65K / 300K / 650K / 1.2M"}),
+)
+
+
+UNSLOTH_HF = 28454  # Unsloth's published Hugging Face + FlashAttention-2 baseline, QLoRA r=32, 80 GB
+
+
+def long_context_block(results: dict[str, dict], calibration: dict | None = None) -> str:
+    """The long-context table of docs/benchmarks.md: per side (LoRA r=16, QLoRA r=32) and GPU size, each setup's
+    longest sequence and the pinned host memory it needs per GPU; then what others publish, with their setups.
+    ``results``: ``"<side> <size>"`` (e.g. ``"QLoRA r=32 80GiB"``) -> a plan; ``calibration``: the plan of
+    Unsloth's baseline setup (QLoRA r=32, 80 GB), whose plain HF row is set beside their figure."""
+    sides = sorted({key.rsplit(" ", 1)[0] for key in results}, key=lambda side: side.startswith("Q"))
+    sizes = sorted({key.rsplit(" ", 1)[1] for key in results}, key=lambda size: parse_bytes(size))
+    lines = [LONG_START, ""]
+    for side in sides:
+        first = results[f"{side} {sizes[0]}"]
+        head = (f"| Llama-3.1-8B, {side}, batch 1 (simulated; in brackets the pinned host memory per GPU) | "
+                + " | ".join(f"{size} GPU" for size in sizes) + " |")
+        lines += [head, "|---|" + "---|" * len(sizes)]
+        for row in first["rows"]:
+            if row["setup"] not in {s.name for s in SETUPS}:
+                continue  # rows of features being built: in the table once they are merged and measured
+            cells = []
+            for size in sizes:
+                (found,) = [r for r in results[f"{side} {size}"]["rows"] if r["setup"] == row["setup"]]
+                if found["longest"] is None:
+                    cells.append("-")
+                    continue
+                pinned = f" ({found['pinned'] / GiB:.1f} GiB)" if found.get("pinned") else ""
+                cells.append(f"{found['longest']:,}{pinned}")
+            lines.append(f"| {row['setup']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    columns = ["24 GB", "40 GB", "48 GB", "80 GB", "141 GB"]
+    lines += ["| published (their setup) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for setup, figures in PUBLISHED:
+        lines.append(f"| {setup} | " + " | ".join(figures.get(c, "") for c in columns) + " |")
+    if calibration is not None:
+        plain = calibration["rows"][0]["longest"]
+        lines += ["", f"Unsloth's baseline setup simulated (Llama-3.1-8B, QLoRA r=32, batch 1, plain HF, 80 GB read as "
+                      f"{calibration['budget']:,} bytes): **{plain:,} tokens** against their {UNSLOTH_HF:,} "
+                      f"({plain / UNSLOTH_HF - 1:+.0%})."]
+    return "\n".join(lines + ["", LONG_END])

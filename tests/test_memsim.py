@@ -95,13 +95,13 @@ def test_plan_cli_on_a_local_config(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     longest = {row["setup"]: row["longest"] for row in result["rows"]}
-    names = [s.name for s in plan.SETUPS]
+    names = [s.name for s in plan.setups()]  # and the rows of features being built, where they exist
     assert 0 < longest[names[0]] < longest[names[1]] < longest[plan.PATCHED], longest
     assert longest[plan.PATCHED] >= max(longest[names[2]], longest[names[3]], longest[names[5]]), longest
     assert [row["fits_seq"] for row in result["rows"]] == [longest[n] >= 16384 for n in names]
     table = plan.render(result)
     assert "a SIMULATION" in table and "calibration: within" in table
-    assert table.count("\n| ") == len(plan.SETUPS) + 1  # the header and one row per setup
+    assert table.count("\n| ") == len(plan.setups()) + 1  # the header and one row per setup
 
 
 def test_other_layouts_and_a_vlm_config(tmp_path):
@@ -219,3 +219,91 @@ def test_docs_table_is_the_committed_plans_rendered():
         assert results[label]["simulation"] and results[label]["budget"] == 80 * GiB
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
         assert plan.readme_block(results) in f.read()
+
+
+def _small(layers: int) -> dict:
+    """Llama's proportions at hidden 256, ``layers`` layers (more than 4: the 3- and 4-layer extrapolation)."""
+    return {"model_type": "llama", "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 1024,
+            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 1 << 20, "tie_word_embeddings": False}
+
+
+@pytest.mark.slow
+def test_pinned_cap_keeps_the_excess_on_the_device():
+    """Offload under a pinned cap (the pool's power-of-two classes): the first middle inputs go to the host, the
+    rest stay on the device. Extrapolated from 3 and 4 layers it matches 6 layers run whole: host and pinned bytes
+    exactly, the device peak exactly at the LM head and at most 0.5% high in a recompute."""
+    config = memsim._config(_small(6))
+    features = memsim.Features(offload=True)
+    seq = 8192
+    one = seq * 256 * 2
+    assert memsim.size_class(one) == one  # a power of two: the class is the input
+    uncapped = memsim.simulate(config, seq, features)
+    assert uncapped.host == 4 * one and uncapped.pinned == 4 * one and uncapped.per_layer_host == one
+    for inputs in (0, 3):
+        whole = memsim.activation_run(config, seq, features, layers=6, pinned_cap=inputs * one + one // 2)
+        step = memsim.simulate(config, seq, features, pinned_cap=inputs * one + one // 2)
+        assert whole.peak["host"] == step.host == inputs * one and whole.pinned == step.pinned == inputs * one
+        assert step.activations == uncapped.activations + (4 - inputs) * one - (one if step.peak_in == "layer" else 0)
+        assert 0 <= step.activations - whole.peak["device"] <= 0.005 * whole.peak["device"], (inputs, step)
+
+
+@pytest.mark.slow
+def test_fast_search_matches_the_exact_one():
+    """NOTE [The fast search]: the fitted line and its checks give the exact answer to the resolution: the full
+    simulation (3 and 4 layers) fits at the fast answer and not 1024 tokens further, for the patched setup under a
+    pinned cap that binds (at Llama-8B shapes the same held for all six setups, uncapped)."""
+    config = memsim._config(_small(6))
+    budget = int(1.5 * GiB)  # a few thousand tokens: short runs
+    for features, pinned_cap in ((memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 5 << 20),):
+        fast, step = plan.longest_fast(config, features, budget, pinned_cap=pinned_cap)
+        at = memsim.simulate(config, fast, features, pinned_cap=pinned_cap)
+        beyond = memsim.simulate(config, fast + 1024, features, pinned_cap=pinned_cap)
+        assert step.device == at.device <= plan.usable(budget) < beyond.device, (features, fast)
+        assert at.pinned <= pinned_cap and 0 < at.host < 4 * at.per_layer_host  # the cap binds: inputs stay on the GPU
+
+
+def test_plan_names_the_pinned_cap_a_row_needs():
+    """NOTE [Host memory]: the default cap (a quarter of the host over its GPUs) is too small for the offload row,
+    so the row names ``offload_max_pinned_bytes`` with the pinned bytes it needs, within what the host allows; a row
+    that fits in the default cap says so."""
+    config = memsim._config(_small(6))
+    setup = plan.SETUPS[2]  # + offload
+    default_cap, most = plan.pinned_limits(3 * GiB, 8)
+    assert (default_cap, most) == (96 << 20, 192 << 20)
+    n, step = plan.longest_fast(config, setup.features, int(2.5 * GiB), pinned_cap=most)
+    assert 0 < step.pinned <= most and step.host <= step.pinned
+    how = plan._how(setup, step, default_cap)
+    assert step.pinned > default_cap and f"offload_max_pinned_bytes={step.pinned}" in how
+    assert "default pinned cap suffices" in plan._how(setup, step, step.pinned)
+
+
+def test_qlora_static_bytes_and_the_features_being_built():
+    """QLoRA's NF4 base (0.5 byte a weight, double-quantised absmax) for the decoder's linear weights only; the
+    chunked loss simulates as the fused head; tiled attention without its module is a clear NotImplementedError."""
+    numel = 4096 * 14336
+    assert memsim.nf4_bytes(numel) == numel // 2 + numel // 64 + 4 * (numel // 64 // 256) + 1024 + 4 + 64
+    config = memsim._config(_small(2))
+    bf16, lora = memsim.static_bytes(config, layers=2, lora_r=8)
+    nf4, lora_q = memsim.static_bytes(config, layers=2, lora_r=8, quant="nf4")
+    linear = 2 * (256 * 256 * 2 + 256 * 128 * 2 + 256 * 1024 * 3)  # q, o; k, v (2 kv heads of 64); gate, up, down
+    assert lora_q == lora and bf16 - nf4 == 2 * linear - sum(
+        memsim.nf4_bytes(n) for n in [256 * 256] * 4 + [256 * 128] * 4 + [256 * 1024] * 6)
+    fused = memsim.activation_run(config, 2048, memsim.Features(fused_head=True), layers=2)
+    chunked = memsim.activation_run(config, 2048, memsim.Features(chunked_loss=True), layers=2)
+    assert fused.peak == chunked.peak
+    if not memsim.tiled_attention_available():
+        with pytest.raises(NotImplementedError, match="tiled_attention.memsim_tiling"):
+            memsim.activation_run(config, 2048, memsim.Features(tiled_attention=True), layers=2)
+
+
+@pytest.mark.docs
+def test_long_context_table_is_the_committed_plans_rendered():
+    """The long-context table of docs/benchmarks.md is ``plan.long_context_block`` of the committed planner outputs
+    (docs/data/plan-long-context.json, written by ``python -m tools.long_context``): no figure typed by hand."""
+    with open(os.path.join(ROOT, "docs", "data", "plan-long-context.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    assert all(result["simulation"] and result["model_type"] == "llama" for result in data["results"].values())
+    assert data["calibration"]["budget"] == 80 * 10**9 and data["calibration"]["quant"] == "nf4"
+    with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
+        assert plan.long_context_block(data["results"], data["calibration"]) in f.read()
