@@ -122,6 +122,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                     grads[i] = g if grads[i] is None else grads[i].add_(g)
             start += size
         ctx.grad_h, ctx.grads, ctx.params, ctx.wanted = grad_h, grads, params, wanted
+        ctx.no_tokens = (target == ignore_index).all()  # on the device: no host sync
         return total
 
     @staticmethod
@@ -131,6 +132,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                                "is not supported: its gradients are computed in forward; run without "
                                "apply(chunked_loss=True) for this model")
         # Out of place: a backward under retain_graph=True may come again and must find the kept gradients intact.
+        # No token to learn from (every label ignore_index): the loss is 0/0 and its incoming gradient infinite, yet
+        # cross_entropy gives ignored rows a zero gradient whatever comes in; so do these (zeros, not 0 * inf).
+        grad_out = torch.where(ctx.no_tokens, torch.zeros_like(grad_out), grad_out)
         grad_h = None if ctx.grad_h is None else ctx.grad_h * grad_out.to(ctx.grad_h.dtype)
         grads = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.grads]
         for i in ctx.wanted:  # a parameter no chunk used: None, or the zero a static-graph DDP needs (tiled_mlp.py)

@@ -108,10 +108,9 @@ class LiveBytes(TorchDispatchMode):
 class Features:
     """What the step runs with: the library's tiled MLP and offload, and a fused (chunked) LM head and loss.
 
-    ``chunked_loss``: the library's chunked LM-head loss (``apply(chunked_loss=True)``). ``tiled_attention``: the
-    sequence-tiled attention block, run through ``ddp_patches.tiled_attention.memsim_tiling(model)`` (a context
-    manager that tiles the decoder's attention blocks of the simulated model and undoes it on exit, as ``_tiling``
-    does for the MLP); NotImplementedError while that module or function does not exist."""
+    ``chunked_loss``: the library's chunked LM-head loss (``apply(chunked_loss=True)``: ``chunked_causal_lm_loss``
+    on the decoder's hidden states). ``tiled_attention``: the sequence-tiled attention block
+    (``ddp_patches.tiled_attention.tile_model``), as ``_tiling`` runs the tiled MLP."""
 
     tiled_mlp: bool = False
     offload: bool = False
@@ -122,7 +121,7 @@ class Features:
 
     @property
     def chunked_head(self) -> bool:
-        return self.fused_head or self.chunked_loss  # the chunked loss is simulated as TRL's fused head for now
+        return self.fused_head or self.chunked_loss  # the LM head never builds the whole logits
 
 
 @dataclasses.dataclass
@@ -507,18 +506,16 @@ def own_module(name: str):
 
 
 def _attention_tiling(model):
-    """The sequence-tiled attention block's own simulation hook (Features docstring), or NotImplementedError."""
-    tiling = getattr(own_module("tiled_attention"), "memsim_tiling", None)
-    if tiling is None:
-        raise NotImplementedError("ddp_patches.memsim: Features(tiled_attention=True) runs "
-                                  "ddp_patches.tiled_attention.memsim_tiling(model) (a context manager); this "
-                                  "ddp_patches has no such function: simulate without tiled_attention")
-    return tiling(model)
+    """Each decoder attention block (input norm, q/k/v, o_proj) through the library's tiled attention with its
+    automatic shard rule, as ``apply(tiled_attention=True)`` runs it under DDP (here in one process)."""
+    from . import tiled_attention
+
+    return tiled_attention.tile_model(model)
 
 
 def tiled_attention_available() -> bool:
-    """Whether ``ddp_patches.tiled_attention`` offers the simulation hook ``memsim_tiling``."""
-    return callable(getattr(own_module("tiled_attention"), "memsim_tiling", None))
+    """Whether this package has the tiled attention (it has: kept for callers that asked before it landed)."""
+    return own_module("tiled_attention") is not None
 
 
 @contextlib.contextmanager
@@ -541,13 +538,21 @@ def _gpu_folds(live: LiveBytes):
             setattr(chunked_logprob, name, fold)
 
 
-def _loss(model, ids: torch.Tensor, fused_head: bool, legacy: bool = False) -> torch.Tensor:
+def _loss(model, ids: torch.Tensor, fused_head: bool, legacy: bool = False, chunked_loss: bool = False
+          ) -> torch.Tensor:
     if legacy and not fused_head:  # LlamaForCausalLM.forward of transformers 4.44 (what published 2024 runs used)
         logits = model(input_ids=ids).logits.float()
         shift_logits = logits[..., :-1, :].contiguous().view(-1, logits.shape[-1])
         return torch.nn.functional.cross_entropy(shift_logits, ids[..., 1:].contiguous().view(-1))
     if not fused_head:
         return model(input_ids=ids, labels=ids).loss  # transformers' own: logits, their float32 upcast, the loss
+    if chunked_loss:  # the library's own: its Function on the decoder's hidden states, as apply(chunked_loss=True)
+        from .chunked_loss import chunked_causal_lm_loss
+
+        base = model.get_base_model()
+        head = base.get_output_embeddings()
+        hidden = base.base_model(input_ids=ids).last_hidden_state
+        return chunked_causal_lm_loss(head, hidden, ids, tuple(p for p in head.parameters() if p.requires_grad))
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
 
@@ -635,7 +640,7 @@ def activation_run(config, seq: int, features: Features, *, layers: int, lora_r:
 
 def _activation_run(config, seq: int, features: Features, *, layers: int, lora_r: int, dtype, batch: int,
                     pinned_cap: int | None) -> LiveBytes:
-    if features.chunked_head and not fused_head_available():
+    if features.fused_head and not fused_head_available():
         raise ImportError("ddp_patches.memsim: the fused head runs TRL's chunked head (trl.kernels."
                           "ChunkedLogProbFunction); this TRL has none: upgrade TRL (1.16 has it)")
     model, mode = _fake_model(config, layers, lora_r, dtype)
@@ -652,10 +657,10 @@ def _activation_run(config, seq: int, features: Features, *, layers: int, lora_r
                     stack.enter_context(_tiling(model))
                 if features.tiled_attention:
                     stack.enter_context(_attention_tiling(model))
-                if features.chunked_head:
+                if features.fused_head:
                     stack.enter_context(_gpu_folds(live))
                 with live:
-                    _loss(model, ids, features.chunked_head, features.legacy_loss).backward()
+                    _loss(model, ids, features.chunked_head, features.legacy_loss, features.chunked_loss).backward()
         finally:
             for p in model.parameters():
                 p.grad = None

@@ -272,23 +272,19 @@ def _check_plan(text, budget: int, lora_r: int) -> None:
                          f"found {lora_r}")
 
 
-def _module_exists(name: str) -> bool:
-    return memsim.own_module(name) is not None
-
-
 def setups() -> tuple[Setup, ...]:
-    """``SETUPS``, and the rows of features being built where their modules exist: the library's chunked loss
-    (``ddp_patches.chunked_loss``) and tiled attention (``ddp_patches.tiled_attention`` with ``memsim_tiling``)."""
-    extra = []
-    if _module_exists("chunked_loss"):
-        extra.append(Setup("patched, chunked loss (HF Trainer)",
-                           memsim.Features(tiled_mlp=True, offload=True, chunked_loss=True),
-                           "apply(tiled_mlp=True, offload=True, chunked_loss=True), transformers' Trainer"))
-    if memsim.tiled_attention_available():
-        extra.append(Setup("patched + tiled attention",
-                           memsim.Features(tiled_mlp=True, offload=True, fused_head=True, tiled_attention=True),
-                           "apply(tiled_mlp=True, offload=True, tiled_attention=True), TRL SFTTrainer"))
-    return SETUPS + tuple(extra)
+    """``SETUPS`` and the rows of the library's longest-context options: the chunked loss (every trainer) and the
+    tiled attention."""
+    return SETUPS + (
+        Setup("patched, chunked loss (HF Trainer)", memsim.Features(tiled_mlp=True, offload=True, chunked_loss=True),
+              "apply(tiled_mlp=True, offload=True, chunked_loss=True), transformers' Trainer"),
+        Setup("patched + tiled attention", memsim.Features(tiled_mlp=True, offload=True, fused_head=True,
+                                                          tiled_attention=True),
+              "apply(tiled_mlp=True, offload=True, tiled_attention=True), TRL SFTTrainer"),
+        Setup("patched + tiled attention, chunked loss (HF Trainer)",
+              memsim.Features(tiled_mlp=True, offload=True, chunked_loss=True, tiled_attention=True),
+              "apply(tiled_mlp=True, offload=True, tiled_attention=True, chunked_loss=True), transformers' Trainer"),
+    )
 
 
 HOST_PINNABLE = 0.5  # of a GPU's share of host memory, the most the planner lets offload pin (NOTE [Host memory])
@@ -323,7 +319,7 @@ def _how(setup: Setup, step: memsim.Step | None, default_cap: int | None) -> str
 def _row(task) -> dict:
     """One setup's row of the plan."""
     config, setup, budget, lora_r, seq, batch, quant, default_cap, most_pinned, exact = task
-    if setup.features.chunked_head and not memsim.fused_head_available():
+    if setup.features.fused_head and not memsim.fused_head_available():
         return {"setup": setup.name, "longest": None, "how": setup.how, "at_longest": None, "pinned": 0,
                 "limit": "not simulated: this TRL has no chunked head (trl.kernels); TRL 1.16 has"}
     shape = {"batch": batch, "quant": quant, "pinned_cap": most_pinned if setup.features.offload else None}

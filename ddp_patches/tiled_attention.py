@@ -267,7 +267,8 @@ def _probe(attn: torch.nn.Module, original_forward: Callable, args: tuple, kwarg
     if is_fake(whole):  # the memory simulator: shapes only, the stand-ins were checked
         return None
     tol = 1e-6 if whole.dtype == torch.float64 else 1e-4 if whole.dtype == torch.float32 else 2e-2
-    if not torch.allclose(whole, tiled, rtol=tol, atol=tol * float(whole.abs().max())):
+    scale = float(whole.abs().nan_to_num(0.0, 0.0, 0.0).max())  # NaN rows (eager attention, a fully masked row)
+    if not torch.allclose(whole, tiled, rtol=tol, atol=tol * scale, equal_nan=True):
         return "tiled and untiled outputs differ"
     return None
 
@@ -298,12 +299,23 @@ def _structure_problem(attn: torch.nn.Module) -> str | None:
 
 
 def _hook_problem(attn: torch.nn.Module, norm: torch.nn.Module | None) -> str | None:
-    """A hook that would see a tiled call differently (tiled_mlp's NOTE [Hooks inside a tiled MLP]), or None."""
+    """A hook that would see a tiled call differently (tiled_mlp's NOTE [Hooks inside a tiled MLP]), or None. The
+    norm runs inside every q/k/v shard, so its own hooks count too (checked at each call: a hook added late)."""
+    why = _own_hook_problem(norm)
+    if why is not None:
+        return why
     for module in (attn, norm):
         if module is not None:
             why = tiled_mlp._hook_problem(module, _params((module,)))
             if why is not None:
                 return why
+    return None
+
+
+def _own_hook_problem(norm: torch.nn.Module | None) -> str | None:
+    if norm is not None and (norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks
+                             or norm._backward_pre_hooks):
+        return "its input norm has a forward or backward hook (it would run once per shard)"
     return None
 
 
@@ -400,7 +412,7 @@ def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, f
     width = x.shape[-1]
     rows = x.numel() // max(width, 1)
     sizes = shard_sizes(rows, width, shard_tokens)
-    if len(sizes) < 2 or tiled_mlp._hook_problem(norm, ()) is not None:
+    if len(sizes) < 2 or tiled_mlp._hook_problem(norm, ()) is not None or _own_hook_problem(norm) is not None:
         return original_forward(norm, *args, **kwargs)
     run = _in_shard(lambda shard: original_forward(norm, shard))
     y = tiled_mlp.apply_tiled(run, sizes, x.reshape(rows, width), _params((norm,)), module=norm)

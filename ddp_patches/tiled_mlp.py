@@ -203,6 +203,8 @@ def _shard_grads(ctx, shard: torch.Tensor, g_shard: torch.Tensor, rng: tuple, wa
     with _replay(shard.device, rng, ctx.autocast), torch.enable_grad():
         out = ctx.forward_fn(shard)
     inputs = ([shard] if want_x else []) + [ctx.params[i] for i in wanted]
+    if not inputs:  # reached, yet nothing of its own wants a gradient (a tiled norm whose output another path read)
+        return ()
     return torch.autograd.grad(out, inputs, g_shard, allow_unused=True, create_graph=create_graph)
 
 

@@ -495,3 +495,15 @@ def test_tied_embeddings_full_training_one_hook_each():
         out, got = _grads(model, batch)
     assert out.logits is None and _rel(got, ref) < 1e-6
     assert set(fired.values()) == {1} and len(fired) == len(got)
+
+
+def test_a_batch_without_tokens_gives_zero_gradients_as_transformers():
+    """Every label ignore_index (one rank's share of a padded batch): the loss is nan as transformers' (0/0), and
+    the gradients are zero, not NaN, as cross_entropy gives ignored rows: DDP's average stays finite."""
+    batch = _batch(8)
+    batch["labels"][:] = -100
+    ref_out, ref = _grads(_lora_lm(True), batch)
+    with _as_under_ddp():
+        out, got = _grads(_lora_lm(True), batch)
+    assert out.logits is None and torch.isnan(out.loss) and torch.isnan(ref_out.loss)
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)

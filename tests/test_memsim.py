@@ -278,9 +278,9 @@ def test_plan_names_the_pinned_cap_a_row_needs():
     assert "default pinned cap suffices" in plan._how(setup, step, step.pinned)
 
 
-def test_qlora_static_bytes_and_the_features_being_built():
+def test_qlora_static_bytes_and_the_new_features():
     """QLoRA's NF4 base (0.5 byte a weight, double-quantised absmax) for the decoder's linear weights only; the
-    chunked loss simulates as the fused head; tiled attention without its module is a clear NotImplementedError."""
+    library's chunked loss (its own Function) and tiled attention (its tile_model) run in the simulation."""
     numel = 4096 * 14336
     assert memsim.nf4_bytes(numel) == numel // 2 + numel // 64 + 4 * (numel // 64 // 256) + 1024 + 4 + 64
     config = memsim._config(_small(2))
@@ -289,12 +289,17 @@ def test_qlora_static_bytes_and_the_features_being_built():
     linear = 2 * (256 * 256 * 2 + 256 * 128 * 2 + 256 * 1024 * 3)  # q, o; k, v (2 kv heads of 64); gate, up, down
     assert lora_q == lora and bf16 - nf4 == 2 * linear - sum(
         memsim.nf4_bytes(n) for n in [256 * 256] * 4 + [256 * 128] * 4 + [256 * 1024] * 6)
-    fused = memsim.activation_run(config, 2048, memsim.Features(fused_head=True), layers=2)
+    plain = memsim.activation_run(config, 2048, memsim.Features(), layers=2)
     chunked = memsim.activation_run(config, 2048, memsim.Features(chunked_loss=True), layers=2)
-    assert fused.peak == chunked.peak
-    if not memsim.tiled_attention_available():
-        with pytest.raises(NotImplementedError, match="tiled_attention.memsim_tiling"):
-            memsim.activation_run(config, 2048, memsim.Features(tiled_attention=True), layers=2)
+    assert chunked.peak["device"] < plain.peak["device"]
+    from ddp_patches import tiled_attention
+
+    before = tiled_attention.counts()["tiled_calls"]
+    mlp = memsim.activation_run(config, 4096, memsim.Features(tiled_mlp=True, fused_head=True), layers=2)
+    both = memsim.activation_run(config, 4096, memsim.Features(tiled_mlp=True, fused_head=True, tiled_attention=True),
+                                 layers=2)
+    assert tiled_attention.counts()["tiled_calls"] > before  # the library's own code ran on the fake tensors
+    assert both.peak["device"] <= mlp.peak["device"]  # at this small width the peak is the head's, not a layer's
 
 
 @pytest.mark.docs

@@ -285,3 +285,45 @@ def test_functional_call_with_substituted_parameters_is_exact():
     assert tiled_attention.counts()["tiled_calls"] - before == 2
     for a, b in zip(untiled, tiled):
         assert float(a.abs().max()) > 0 and float((a - b).abs().max()) <= 1e-10 * float(a.abs().max())
+
+
+def test_a_hook_added_later_on_the_input_norm_runs_untiled_with_its_gradient():
+    """The norm runs inside every q/k/v shard: a hook on it (added after the first step) would fire per shard and
+    an in-place change it makes would be lost to the replay; the call runs untiled instead, exactly."""
+    model = _family("llama", checkpointed=False)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(4))
+    batch = {"input_ids": ids, "labels": ids}
+    steer = torch.nn.Parameter(torch.full((32,), 0.1, dtype=torch.float64))
+    norm = model.get_base_model().model.layers[0].input_layernorm
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(output.shape)
+        output.add_(steer)  # in place: the tensor the attention is handed
+
+    with tiled_attention.tile_model(model, shard_tokens=4):
+        _step(model, batch)  # the first step tiles
+        handle = norm.register_forward_hook(hook)
+        tiled = _step(model, batch)
+        steer_grad = steer.grad.clone()
+        assert calls == [torch.Size([2, 11, 32])]
+    steer.grad = None
+    untiled = _step(model, batch)
+    handle.remove()
+    _assert_same(untiled, tiled)
+    assert torch.allclose(steer.grad, steer_grad, rtol=1e-10, atol=0)
+
+
+def test_a_cache_without_checkpointing_trains_as_untiled():
+    """use_cache left on in training (no checkpointing): the attention declines (a KV cache), after the input norm
+    ran tiled with nothing of its own to differentiate; the backward still runs, exactly."""
+    model = _family("llama", checkpointed=False)
+    model.config.use_cache = True
+    for name, p in model.named_parameters():  # LoRA only: the norm's input (the embedding) and weight need none
+        p.requires_grad_("lora_" in name)
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "labels": ids, "use_cache": True}
+    untiled = _step(model, batch)
+    with tiled_attention.tile_model(model, shard_tokens=4):
+        tiled = _step(model, batch)
+    _assert_same(untiled, tiled)
