@@ -226,30 +226,6 @@ def test_vlm_language_model_chunks(family):
     assert _rel(got, ref) < 1e-6
 
 
-class _PeakBytes(torch.utils._python_dispatch.TorchDispatchMode):
-    """The largest tensor any op creates (bytes), and the peak of the bytes alive at once."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = self.live = self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t._base is None:
-                size = t.untyped_storage().nbytes()
-                self.largest = max(self.largest, size)
-                self.live += size
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(t, self._free, size)
-        return out
-
-    def _free(self, size):
-        self.live -= size
-
-
 def test_chunk_rule_and_peak_bytes():
     # NOTE [Chunks by shapes]: Llama-3.1-8B at 64K tokens, 32 chunks of 2048 tokens
     assert chunked_loss.chunk_sizes(65536, 4096, 128256) == [2048] * 32
@@ -260,6 +236,8 @@ def test_chunk_rule_and_peak_bytes():
     labels = torch.randint(0, vocab, (1, rows))
     full_fp32 = rows * vocab * 4
     from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from tools.chunked_loss_bytes import LiveBytes as _PeakBytes  # the tool's counter: the largest tensor, the peak
 
     with _PeakBytes() as unchunked:
         ForCausalLMLoss(head(h), labels, vocab).backward()
