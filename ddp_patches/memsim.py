@@ -434,6 +434,7 @@ def _offloading(model, live: LiveBytes, pinned_cap: int | None = None):
             if _in_backward():
                 bring_back(k)
                 bring_back(k - 1)
+        hook.observes_only = True  # changes no tensor: the tiled attention may run it once per shard
         return hook
 
     def post(k):
@@ -575,6 +576,8 @@ def _phases(model, live: LiveBytes):
 
     def enter(module, args):
         live.phase = "layer"
+
+    enter.observes_only = True  # the tiled attention may run it once per shard (its input norm's hooks)
 
     def leave(module, args, output):
         if not _in_backward():

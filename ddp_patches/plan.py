@@ -488,8 +488,6 @@ def long_context_block(results: dict[str, dict], calibration: dict | None = None
                 + " | ".join(f"{size} GPU" for size in sizes) + " |")
         lines += [head, "|---|" + "---|" * len(sizes)]
         for row in first["rows"]:
-            if row["setup"] not in {s.name for s in SETUPS}:
-                continue  # rows of features being built: in the table once they are merged and measured
             cells = []
             for size in sizes:
                 (found,) = [r for r in results[f"{side} {size}"]["rows"] if r["setup"] == row["setup"]]

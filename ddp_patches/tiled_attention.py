@@ -313,8 +313,13 @@ def _hook_problem(attn: torch.nn.Module, norm: torch.nn.Module | None) -> str | 
 
 
 def _own_hook_problem(norm: torch.nn.Module | None) -> str | None:
-    if norm is not None and (norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks
-                             or norm._backward_pre_hooks):
+    """A hook on the input norm itself, which would run once per shard; a hook marked ``observes_only`` (it reads
+    nothing and changes nothing: the memory simulator's phase marker) may."""
+    if norm is None:
+        return None
+    hooks = [*norm._forward_hooks.values(), *norm._forward_pre_hooks.values(), *norm._backward_hooks.values(),
+             *norm._backward_pre_hooks.values()]
+    if any(not getattr(hook, "observes_only", False) for hook in hooks):
         return "its input norm has a forward or backward hook (it would run once per shard)"
     return None
 

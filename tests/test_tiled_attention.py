@@ -301,8 +301,15 @@ def test_a_hook_added_later_on_the_input_norm_runs_untiled_with_its_gradient():
         calls.append(output.shape)
         output.add_(steer)  # in place: the tensor the attention is handed
 
+    def observer(module, args):  # reads nothing, changes nothing (as the memory simulator's phase marker)
+        pass
+
+    observer.observes_only = True
     with tiled_attention.tile_model(model, shard_tokens=4):
-        _step(model, batch)  # the first step tiles
+        with norm.register_forward_pre_hook(observer):
+            before = tiled_attention.counts()["tiled_calls"]
+            _step(model, batch)  # the first step tiles, the observer beside it
+            assert tiled_attention.counts()["tiled_calls"] == before + 2
         handle = norm.register_forward_hook(hook)
         tiled = _step(model, batch)
         steer_grad = steer.grad.clone()
