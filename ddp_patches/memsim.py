@@ -26,10 +26,10 @@ GiB = 1 << 30
 #   * offload (CUDA only): a layer's input counts as host bytes from the end of its forward until its recompute,
 #     when it and the previous layer's input (prefetch 1) count on the device again; the first layer's input (a
 #     leaf that requires grad) and the last stay, as the offloader keeps them.
-#   * attention: SDPA on fake CPU tensors runs the CPU flash kernel, which saves the output and the log-sum-exp,
-#     as FlashAttention-2 does. transformers cannot read a fake tensor and would build an S x S mask that a GPU run
-#     without padding never builds (SDPA's is_causal); the model runs ``ATTENTION``, transformers' SDPA function
-#     with a mask function that returns None, registered through its AttentionInterface.
+#   * attention: SDPA on fake CPU tensors runs the CPU flash kernel, which saves q, k, v (GQA's k/v unrepeated),
+#     the output and the log-sum-exp, as FlashAttention-2 does; its backward adds FA2's workspace while it runs
+#     (``flash_backward_workspace``). The model runs ``ATTENTION``, transformers' SDPA with a mask function that
+#     returns None (a GPU run without padding builds no S x S mask: SDPA's is_causal).
 #   * the fused head: TRL folds each logits tile with one in-place Triton kernel on a GPU, which allocates
 #     nothing: its CPU fold (float32 temporaries, results written in place) is not run (``_gpu_folds``).
 #   * the allocator: live bytes, not what a caching allocator reserves; ``plan`` keeps a margin for that.
@@ -55,6 +55,10 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)
+        if func in _FLASH_BACKWARD and not self._paused:  # its workspace, beside its outputs while it runs
+            workspace = flash_backward_workspace(args[1], args[2])
+            self._add("device", workspace)
+            self.current["device"] -= workspace
         return out
 
     def exclude(self, tensors) -> None:
@@ -102,6 +106,20 @@ class LiveBytes(TorchDispatchMode):
         info[1] = place
         self._add(place, info[0])
         return info[0]
+
+
+_FLASH_BACKWARD = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,)
+
+
+def flash_backward_workspace(query: torch.Tensor, key: torch.Tensor) -> int:
+    """The bytes FlashAttention-2's backward (``mha_bwd``, also PyTorch's SDPA flash kernel) allocates beside its
+    outputs: ``dq_accum`` in float32 (query rows rounded up to 128, head size to 32) and, where key/value have fewer
+    heads (GQA), dk and dv expanded to the query's heads (NOTE [What the simulation models])."""
+    batch, heads, rows, head = query.shape
+    workspace = batch * heads * -(-rows // 128) * 128 * -(-head // 32) * 32 * 4 + batch * heads * rows * 4
+    if key.shape[1] != heads:
+        workspace += 2 * batch * key.shape[2] * heads * head * query.element_size()
+    return workspace
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,10 @@ _norms: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.
 _outside: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 _normed = WeakIdKeyDictionary()  # a tiled input norm's output -> (norm, its input): NOTE [The input norm inside]
 _inside = {"depth": 0}  # > 0 inside a shard: the patched forwards pass through
+# NOTE [The other norms tiled]: the layer's norm before its MLP, by name (and the decoder's final ``norm``)
+_MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm")
+_mlp_norms: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()  # ->attn
+_rowwise: dict[type, str | None] = {}  # norm class -> None (row by row) or why not; its first tiled call
 
 
 def counts() -> dict:
@@ -48,6 +52,7 @@ def counts() -> dict:
 def forget() -> None:
     _settings.update(on=False, shard_tokens=None)
     _verdicts.clear()
+    _rowwise.clear()
     _outside.clear()
 
 
@@ -410,6 +415,8 @@ def _attention_forward(attn, original_forward: Callable, args: tuple, kwargs: di
 def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, forced: bool,
                   shard_tokens: int | None):
     attn = _norms.get(norm)
+    before_mlp = attn is None
+    attn = _mlp_norms.get(norm) if before_mlp else attn
     x = args[0] if len(args) == 1 and not kwargs else None
     if attn is None or not isinstance(x, torch.Tensor) or x.dim() < 2 or not _gate(norm, forced) \
             or _verdicts.get(type(attn), None) is not None:
@@ -417,13 +424,56 @@ def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, f
     width = x.shape[-1]
     rows = x.numel() // max(width, 1)
     sizes = shard_sizes(rows, width, shard_tokens)
-    if len(sizes) < 2 or tiled_mlp._hook_problem(norm, ()) is not None or _own_hook_problem(norm) is not None:
+    if len(sizes) < 2 or tiled_mlp._hook_problem(norm, ()) is not None or _own_hook_problem(norm) is not None \
+            or (before_mlp and _not_rowwise(norm, x, original_forward)):
         return original_forward(norm, *args, **kwargs)
     run = _in_shard(lambda shard: original_forward(norm, shard))
     y = tiled_mlp.apply_tiled(run, sizes, x.reshape(rows, width), _params((norm,)), module=norm)
     y = y.view(*x.shape[:-1], y.shape[-1])
-    _normed[y] = (norm, x)
+    if not before_mlp:
+        _normed[y] = (norm, x)
     return y
+
+
+# NOTE [The other norms tiled]
+# Invariant: the norm a decoder layer applies before its MLP (``post_attention_layernorm``, Gemma's
+# ``pre_feedforward_layernorm``) and the decoder's final ``norm`` keep neither their float32 intermediates nor
+# their gradients for the whole sequence: untiled, an RMSNorm's backward holds six float32 S x H tensors (12 bf16
+# S x H units: the peak of a tiled layer's backward, then of the head's). Tiled, each saves only its input and
+# works one shard at a time.
+# Rule: such a norm, with an attention beside it (the last layer's for the final norm) that tiles, runs through
+# ``apply_tiled`` in the attention's shards once its class proved row-wise (4 rows whole and split in two agree);
+# otherwise untiled. The value and every gradient are the untiled ones (row by row).
+# Test: tests/test_tiled_attention.py::test_the_other_norms_are_tiled.
+def _not_rowwise(norm: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> bool:
+    cls = type(norm)
+    if cls not in _rowwise:
+        _rowwise[cls] = _rowwise_probe(norm, x, original_forward)
+        if _rowwise[cls] is not None:
+            log_rank0_once("tiled-attn-norm-" + cls.__qualname__, logging.INFO,
+                           "ddp_patches: tiled attention: the norm %s runs untiled: %s", cls.__qualname__,
+                           _rowwise[cls])
+    return _rowwise[cls] is not None
+
+
+def _rowwise_probe(norm: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> str | None:
+    from torch._subclasses.fake_tensor import is_fake
+
+    rows = x.detach().reshape(-1, x.shape[-1])[:4]
+    try:
+        with torch.no_grad():
+            whole = original_forward(norm, rows)
+            parts = torch.cat([original_forward(norm, rows[:2]), original_forward(norm, rows[2:])])
+    except Exception as exc:  # noqa: BLE001 - a norm that needs [batch, seq, H]
+        return f"its forward fails on 2-D [tokens, H] rows ({type(exc).__name__}: {str(exc)[:120]})"
+    if whole.shape != rows.shape:
+        return f"maps [4, {rows.shape[-1]}] to {list(whole.shape)}, not to the same shape"
+    if is_fake(whole):  # the memory simulator: shapes only
+        return None
+    tol = 1e-6 if whole.dtype == torch.float64 else 1e-4 if whole.dtype == torch.float32 else 2e-2
+    if not torch.allclose(whole, parts, rtol=tol, atol=tol * float(whole.abs().max())):
+        return "its output for a token depends on the other tokens of the call"
+    return None
 
 
 def _layers(model: torch.nn.Module):
@@ -435,9 +485,19 @@ def _layers(model: torch.nn.Module):
         if isinstance(attn, torch.nn.Module) and _structure_problem(attn) is None:
             norm = children.get("input_layernorm")
             found[attn] = norm if isinstance(norm, torch.nn.Module) else None
+            for name in _MLP_NORMS:
+                other = children.get(name)
+                if isinstance(other, torch.nn.Module):
+                    _mlp_norms[other] = attn
     for module in model.modules():
         if module not in found and _structure_problem(module) is None:
             found[module] = None
+    for module in model.modules():  # the decoder's final norm, beside its layers: by the last layer's attention
+        final = _children(module).get("norm")
+        layers = [m for m in _children(module).values() if isinstance(m, torch.nn.ModuleList)]
+        attns = [_children(layer).get("self_attn") for mods in layers for layer in mods]
+        if isinstance(final, torch.nn.Module) and attns and attns[-1] in found:
+            _mlp_norms[final] = attns[-1]
     return found
 
 
@@ -455,7 +515,7 @@ def discover(model: torch.nn.Module) -> list[str]:
     found = []
     for attn, norm in _layers(model).items():
         _norms_pair(attn, norm)
-        for cls in (type(attn), type(norm) if norm is not None else None):
+        for cls in (type(attn), type(norm) if norm is not None else None, *map(type, _mlp_norms_of(attn))):
             if cls is not None and _patch_class(cls, _attention_forward if cls is type(attn) else _norm_forward):
                 found.append(f"{cls.__module__}.{cls.__qualname__}")
     for module in model.modules():
@@ -469,6 +529,10 @@ def discover(model: torch.nn.Module) -> list[str]:
                        "ddp_patches: tiled attention: classes patched on %s: %s", type(model).__qualname__,
                        ", ".join(sorted(found)))
     return found
+
+
+def _mlp_norms_of(attn: torch.nn.Module) -> list:
+    return [norm for norm, owner in list(_mlp_norms.items()) if owner is attn]
 
 
 def _norms_pair(attn: torch.nn.Module, norm: torch.nn.Module | None) -> None:
@@ -498,7 +562,8 @@ def tile_model(model: torch.nn.Module, shard_tokens: int | None = None):
     patched = []
     for attn, norm in _layers(model).items():
         _norms_pair(attn, norm)
-        for module, body in ((attn, _attention_forward), (norm, _norm_forward)):
+        for module, body in ((attn, _attention_forward), (norm, _norm_forward),
+                             *((other, _norm_forward) for other in _mlp_norms_of(attn))):
             if module is None or "forward" in vars(module):
                 continue
             original = type(module).forward
@@ -530,6 +595,7 @@ def install(*, shard_tokens: int | None) -> list[str]:
     _settings.update(on=True, shard_tokens=shard_tokens)
     _counts.update(tiled_calls=0, shards=0)
     _verdicts.clear()
+    _rowwise.clear()
     _outside.clear()
     if discover not in tiled_mlp._also_discover:
         tiled_mlp._also_discover.append(discover)
