@@ -312,3 +312,25 @@ def test_long_context_table_is_the_committed_plans_rendered():
     assert data["calibration"]["budget"] == 80 * 10**9 and data["calibration"]["quant"] == "nf4"
     with open(os.path.join(ROOT, "docs", "benchmarks.md"), encoding="utf-8") as f:
         assert plan.long_context_block(data["results"], data["calibration"]) in f.read()
+
+
+def test_flash_backward_workspace_is_counted():
+    """FlashAttention-2's backward allocates dq in float32 and, under GQA, dk and dv expanded to every query head
+    beside its outputs (NOTE [What the simulation models]): Llama-8B's 32/8 heads of 128, 4 S x H bf16 tensors."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rows, unit = 1024, 1024 * 4096 * 2
+    with FakeTensorMode():
+        q = torch.empty(1, 32, rows, 128, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(1, 8, rows, 128, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(1, 8, rows, 128, dtype=torch.bfloat16, requires_grad=True)
+        assert memsim.flash_backward_workspace(q, k) == 4 * unit + 32 * rows * 4
+        live = memsim.LiveBytes()
+        live.exclude([q, k, v])
+        with live:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            grad = torch.empty_like(out)
+            out.backward(grad)
+    # out, lse, the output gradient, dq, dk, dv and the workspace, all alive while the kernel runs
+    assert live.peak["device"] >= (1 + 1 + 1.5 + 4) * unit, live.peak["device"] / unit

@@ -334,3 +334,31 @@ def test_a_cache_without_checkpointing_trains_as_untiled():
     with tiled_attention.tile_model(model, shard_tokens=4):
         tiled = _step(model, batch)
     _assert_same(untiled, tiled)
+
+
+def test_the_other_norms_are_tiled():
+    """The norm before each MLP and the decoder's final norm run through the tiled node (NOTE [The other norms
+    tiled]): the MLP and the LM head are handed its output; values and every gradient as untiled."""
+    model = _family("llama", checkpointed=True)
+    base = model.get_base_model()
+    handed = []
+
+    def record(module, args):  # the forward's calls (not the recompute's): the node behind the views handed over
+        node = args[0].grad_fn
+        while type(node).__name__ in ("ViewBackward0", "SliceBackward0", "AliasBackward0"):
+            node = node.next_functions[0][0]
+        if torch._C._current_graph_task_id() == -1:
+            handed.append(type(node).__name__)
+
+    handles = [base.model.layers[0].mlp.register_forward_pre_hook(record),
+               base.lm_head.register_forward_pre_hook(record)]
+    ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(6))
+    batch = {"input_ids": ids, "labels": ids}
+    untiled = _step(model, batch)
+    handed.clear()
+    with tiled_attention.tile_model(model, shard_tokens=4):
+        tiled = _step(model, batch)
+    for h in handles:
+        h.remove()
+    assert handed == ["TiledMLPFunctionBackward"] * 2, handed
+    _assert_same(untiled, tiled)
