@@ -6,7 +6,8 @@ structure (NOTE [Attention found by structure]) and of the norm each decoder lay
 q/k/v projections (LoRA included, and q/k norms) and o_proj in token shards through the tiled MLP's machinery
 (``tiled_mlp.apply_tiled``: no_grad shards, each replayed in backward, parameter gradients summed and given once),
 while the class's own forward runs RoPE and the attention kernel on the whole sequence
-(NOTE [The attention's own forward runs]). ``tile_model(model)`` tiles one model's attention in any process (the
+(NOTE [The attention's own forward runs]). The norm before the MLP and the decoder's final norm run in token
+shards alone (NOTE [The other norms tiled]). ``tile_model(model)`` tiles one model's attention in any process (the
 memory simulator, single-process checks); ``counts()`` says how many calls tiled.
 """
 
@@ -38,7 +39,7 @@ _norms: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.
 _outside: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 _normed = WeakIdKeyDictionary()  # a tiled input norm's output -> (norm, its input): NOTE [The input norm inside]
 _inside = {"depth": 0}  # > 0 inside a shard: the patched forwards pass through
-# NOTE [The other norms tiled]: the layer's norm before its MLP, by name (and the decoder's final ``norm``)
+# For NOTE [The other norms tiled]: the layer's norm before its MLP, by name (and the decoder's final ``norm``)
 _MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm")
 _mlp_norms: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()  # ->attn
 _rowwise: dict[type, str | None] = {}  # norm class -> None (row by row) or why not; its first tiled call

@@ -337,8 +337,8 @@ def test_a_cache_without_checkpointing_trains_as_untiled():
 
 
 def test_the_other_norms_are_tiled():
-    """The norm before each MLP and the decoder's final norm run through the tiled node (NOTE [The other norms
-    tiled]): the MLP and the LM head are handed its output; values and every gradient as untiled."""
+    """The norm before each MLP and the decoder's final norm run through the tiled node, and the MLP and the LM
+    head are handed its output; values and every gradient as untiled. NOTE [The other norms tiled]"""
     model = _family("llama", checkpointed=True)
     base = model.get_base_model()
     handed = []
