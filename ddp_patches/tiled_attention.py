@@ -136,7 +136,13 @@ class _TiledO:
             return self.real(x, *args, **kwargs)
         self.used += 1
         params = tuple(p for p in self.real.parameters() if p.requires_grad)
-        out = tiled_mlp.apply_tiled(_in_shard(self.real), self.sizes, x.reshape(-1, x.shape[-1]), params,
+        base = _frozen_base(self.real)
+
+        def run(shard: torch.Tensor) -> torch.Tensor:
+            with _replayed_without_matmul((base,) if base is not None else ()):
+                return self.real(shard)
+
+        out = tiled_mlp.apply_tiled(_in_shard(run), self.sizes, x.reshape(-1, x.shape[-1]), params,
                                     module=self.real)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -149,6 +155,66 @@ def _in_shard(fn: Callable) -> Callable:
         finally:
             _inside["depth"] -= 1
     return run
+
+
+# NOTE [The replay skips the frozen matmul]
+# Invariant: under checkpointing a tiled projection's frozen base matmul runs as often per step as untiled (in the
+# forward and in the recompute); the backward's replay of a shard differentiates it without computing it again.
+# Rule: in the replay (grad on), a projection that is a plain ``nn.Linear`` with a frozen weight, or PEFT's vanilla
+# LoRA ``Linear`` around one (no DoRA or other variant), and whose output no q/k norm reads, runs that base as
+# ``_FrozenLinear``: an uninitialised output of the linear's shape whose backward is the linear's (dx = g W, a
+# bias's sum). Its value only meets the LoRA term's sum, a dtype cast and the shards' concatenation, whose
+# backwards read no value, so every gradient is the real matmul's. Under autocast, or where x and W differ in
+# dtype, the real linear runs. o_proj's replay does the same.
+# Test: tests/test_tiled_attention.py::test_projection_forwards_under_checkpointing.
+class _FrozenLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)``'s graph without its value (NOTE [The replay skips the frozen matmul])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(weight)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        dx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+        return dx, None, db
+
+
+def _frozen_base(proj: torch.nn.Module) -> torch.nn.Linear | None:
+    """The frozen ``nn.Linear`` whose value ``proj``'s output needs not (NOTE [The replay skips the frozen
+    matmul]), or None."""
+    base = proj
+    if type(proj).__name__ == "Linear" and type(proj).__module__ == "peft.tuners.lora.layer":
+        if getattr(proj, "lora_variant", None) or any(getattr(proj, "use_dora", {}).values()):
+            return None
+        base = _children(proj).get("base_layer")
+    if type(base) is not torch.nn.Linear or base.weight.requires_grad or "forward" in vars(base):
+        return None
+    return base
+
+
+@contextlib.contextmanager
+def _replayed_without_matmul(bases: tuple):
+    """Inside a shard's replay: each base in ``bases`` runs as ``_FrozenLinear`` (NOTE [The replay skips the
+    frozen matmul]); a no-op in the no_grad forward, under autocast, or for an input of another dtype."""
+    patched = []
+    if torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and not (
+            torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
+        for base in bases:
+            def forward(x, *args, _base=base, **kwargs):
+                if args or kwargs or x.dtype != _base.weight.dtype:
+                    return type(_base).forward(_base, x, *args, **kwargs)
+                return _FrozenLinear.apply(x, _base.weight, _base.bias)
+            vars(base)["forward"] = forward
+            patched.append(base)
+    try:
+        yield
+    finally:
+        for base in patched:
+            vars(base).pop("forward", None)
 
 
 def _children(attn: torch.nn.Module) -> dict:
@@ -208,9 +274,13 @@ def _tiled_call(attn: torch.nn.Module, original_forward: Callable, args: tuple, 
     given, lead, widths = {}, hidden.shape[:-1], []
     runs = [_projection(attn, name, norm, inside=False) for name in _PROJ[:3]]
 
+    bases = tuple(b for name in _PROJ[:3] if _children(attn).get(name[0] + "_norm") is None or name == "v_proj"
+                  for b in [_frozen_base(_children(attn)[name])] if b is not None)
+
     def qkv(shard: torch.Tensor) -> torch.Tensor:  # one Function: the norm's backward runs once, on dq+dk+dv
         h = norm(shard) if norm is not None else shard
-        outs = [run(h) for run in runs]
+        with _replayed_without_matmul(bases):
+            outs = [run(h) for run in runs]
         widths[:] = [o.shape[-1] for o in outs]
         return torch.cat(outs, -1)
 

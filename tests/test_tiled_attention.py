@@ -94,32 +94,41 @@ def test_qwen2_vl_text_decoder_parity():
     _assert_same(untiled, tiled)
 
 
-def test_projection_forwards_under_checkpointing():
+def test_projection_forwards_under_checkpointing(monkeypatch):
     """Per step under non-reentrant checkpointing, each projection runs its forward once more than untiled (the
-    backward's replay of its shards), never twice more (NOTE [The attention's own forward runs])."""
+    backward's replay of its shards), never twice more (NOTE [The attention's own forward runs]); its frozen base
+    matmul runs as often as untiled, the replay differentiating it without running it
+    (NOTE [The replay skips the frozen matmul])."""
     model = _family("llama", checkpointed=True)
-    calls = {"n": 0}
-    q = model.get_base_model().model.layers[0].self_attn.q_proj
-    original = type(q).forward
+    calls = {"n": 0, "base": 0}
+    attn = model.get_base_model().model.layers[0].self_attn
+    q = attn.q_proj
+    bases = {id(attn.q_proj.base_layer), id(attn.v_proj.base_layer), id(attn.o_proj.base_layer)}
+    original, linear = type(q).forward, torch.nn.Linear.forward
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return original(q, *args, **kwargs)
 
+    def counted_linear(self, x):
+        calls["base"] += id(self) in bases
+        return linear(self, x)
+
     q.forward = counted
+    monkeypatch.setattr(torch.nn.Linear, "forward", counted_linear)
     ids = torch.randint(1, 90, (2, 11), generator=torch.Generator().manual_seed(3))
     batch = {"input_ids": ids, "labels": ids}
 
-    def per_step(tiled: bool) -> int:
+    def per_step(tiled: bool) -> tuple[int, int]:
         with tiled_attention.tile_model(model, shard_tokens=4) if tiled else torch.enable_grad():
             _step(model, batch)  # warm-up: the first call's probes
-            calls["n"] = 0
+            calls.update(n=0, base=0)
             _step(model, batch)
-        return calls["n"]
+        return calls["n"], calls["base"]
 
-    untiled, shards = per_step(False), 6
-    assert untiled == 2  # forward and recompute
-    assert per_step(True) == (untiled + 1) * shards  # forward, recompute, replay: each shard by shard
+    (untiled, untiled_base), shards = per_step(False), 6
+    assert (untiled, untiled_base) == (2, 3 * 2)  # forward and recompute, for q, v and o
+    assert per_step(True) == ((untiled + 1) * shards, untiled_base * shards)  # the replay runs no base matmul
 
 
 def test_unknown_attention_runs_untiled(caplog):
