@@ -184,8 +184,8 @@ class _FrozenLinear(torch.autograd.Function):
 
 
 def _frozen_base(proj: torch.nn.Module) -> torch.nn.Linear | None:
-    """The frozen ``nn.Linear`` whose value ``proj``'s output needs not (NOTE [The replay skips the frozen
-    matmul]), or None."""
+    """The frozen ``nn.Linear`` whose value ``proj``'s output needs not, or None.
+    NOTE [The replay skips the frozen matmul]"""
     base = proj
     if type(proj).__name__ == "Linear" and type(proj).__module__ == "peft.tuners.lora.layer":
         if getattr(proj, "lora_variant", None) or any(getattr(proj, "use_dora", {}).values()):
@@ -198,8 +198,8 @@ def _frozen_base(proj: torch.nn.Module) -> torch.nn.Linear | None:
 
 @contextlib.contextmanager
 def _replayed_without_matmul(bases: tuple):
-    """Inside a shard's replay: each base in ``bases`` runs as ``_FrozenLinear`` (NOTE [The replay skips the
-    frozen matmul]); a no-op in the no_grad forward, under autocast, or for an input of another dtype."""
+    """Inside a shard's replay: each base in ``bases`` runs as ``_FrozenLinear``; a no-op in the no_grad
+    forward, under autocast, or for an input of another dtype. NOTE [The replay skips the frozen matmul]"""
     patched = []
     if torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and not (
             torch.cuda.is_available() and torch.is_autocast_enabled("cuda")):
