@@ -39,8 +39,8 @@ _norms: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.
 _outside: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
 _normed = WeakIdKeyDictionary()  # a tiled input norm's output -> (norm, its input): NOTE [The input norm inside]
 _inside = {"depth": 0}  # > 0 inside a shard: the patched forwards pass through
-# For NOTE [The other norms tiled]: the layer's norm before its MLP, by name (and the decoder's final ``norm``)
-_MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm")
+# For NOTE [The other norms tiled]: the layer's norms around its MLP, by name (and the decoder's final ``norm``)
+_MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _mlp_norms: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()  # ->attn
 _rowwise: dict[type, str | None] = {}  # norm class -> None (row by row) or why not; its first tiled call
 
@@ -507,11 +507,11 @@ def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, f
 
 
 # NOTE [The other norms tiled]
-# Invariant: the norm a decoder layer applies before its MLP (``post_attention_layernorm``, Gemma's
-# ``pre_feedforward_layernorm``) and the decoder's final ``norm`` keep neither their float32 intermediates nor
-# their gradients for the whole sequence: untiled, an RMSNorm's backward holds six float32 S x H tensors (12 bf16
-# S x H units: the peak of a tiled layer's backward, then of the head's). Tiled, each saves only its input and
-# works one shard at a time.
+# Invariant: the norms a decoder layer applies around its MLP (``post_attention_layernorm``, Gemma's
+# ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``) and the decoder's final ``norm`` keep neither
+# their float32 intermediates nor their gradients for the whole sequence: untiled, an RMSNorm's backward holds
+# six float32 S x H tensors (12 bf16 S x H units: the peak of a tiled layer's backward, then of the head's).
+# Tiled, each saves only its input and works one shard at a time.
 # Rule: such a norm, with an attention beside it (the last layer's for the final norm) that tiles, runs through
 # ``apply_tiled`` in the attention's shards once its class proved row-wise (4 rows whole and split in two agree);
 # otherwise untiled. The value and every gradient are the untiled ones (row by row).
