@@ -39,8 +39,11 @@ GiB = 1 << 30
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages created under it that are still alive, by place ("device" or "host"), with peaks."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         super().__init__()
+        self.record = record  # keep what made each storage, and the storages alive at the device peak
+        self._made: dict = {}  # id(storage) -> (op, dtype, shape, where, [nbytes, place]) while it lives
+        self._at_peak: list = []
         self._info: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [nbytes, place]
         self._refs: set = set()
         self.current = {"device": 0, "host": 0}
@@ -51,15 +54,29 @@ class LiveBytes(TorchDispatchMode):
         self.peak_phase = self.phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        peak = self.peak["device"]
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, func)
+        extra = []
         if func in _FLASH_BACKWARD and not self._paused:  # its workspace, beside its outputs while it runs
             workspace = flash_backward_workspace(args[1], args[2])
             self._add("device", workspace)
             self.current["device"] -= workspace
+            extra = [(workspace, "FlashAttention-2 backward workspace (modelled)", torch.float32, (), "")]
+        if self.record and self.peak["device"] > peak:
+            self._snapshot(extra)
         return out
+
+    def _snapshot(self, extra: list = ()) -> None:
+        self._at_peak = [(info[0], op, dtype, shape, where) for op, dtype, shape, where, info in self._made.values()
+                         if info[1] == "device"] + list(extra)
+
+    def peak_listing(self) -> list:
+        """With ``record``: (bytes, op, dtype, shape, where made) of each storage alive at the device peak, largest
+        first (a debugging aid: what a peak is made of)."""
+        return sorted(self._at_peak, key=lambda row: -row[0])
 
     def exclude(self, tensors) -> None:
         """Storages that exist before the step (parameters, buffers, inputs): never counted, nor their views."""
@@ -75,17 +92,21 @@ class LiveBytes(TorchDispatchMode):
         finally:
             self._paused -= 1
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, func=None) -> None:
         storage = t.untyped_storage()
         if storage in self._info:
             return
         # an untracked storage seen through a view was made before the step (a weight's transpose): not counted
         info = [0 if t._is_view() or self._paused else storage.nbytes(), "device"]
         self._info[storage] = info
+        key = id(storage)
+        if self.record and info[0]:
+            self._made[key] = (str(func), t.dtype, tuple(t.shape), _where(), info)
         self._add(info[1], info[0])
 
-        def gone(ref, info=info):
+        def gone(ref, info=info, key=key):
             self._refs.discard(ref)
+            self._made.pop(key, None)
             self.current[info[1]] -= info[0]
 
         self._refs.add(weakref.ref(storage, gone))
@@ -104,8 +125,24 @@ class LiveBytes(TorchDispatchMode):
             return 0
         self.current[info[1]] -= info[0]
         info[1] = place
+        peak = self.peak["device"]
         self._add(place, info[0])
+        if self.record and self.peak["device"] > peak:
+            self._snapshot()
         return info[0]
+
+
+def _where() -> str:
+    """The innermost frames of the model's and the library's code that made a storage (``LiveBytes(record=True)``)."""
+    import sys
+
+    frame, found = sys._getframe(2), []
+    while frame is not None and len(found) < 3:
+        name = frame.f_code.co_filename
+        if any(k in name for k in ("transformers", "peft", "trl", "ddp_patches")) and not name.endswith("memsim.py"):
+            found.append(f"{name.rsplit('/', 1)[-1]}:{frame.f_lineno}:{frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(found)
 
 
 _FLASH_BACKWARD = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,)
@@ -646,10 +683,15 @@ _RUNS_KEPT = 64
 
 
 def activation_run(config, seq: int, features: Features, *, layers: int, lora_r: int = 16,
-                   dtype=torch.bfloat16, batch: int = 1, pinned_cap: int | None = None) -> LiveBytes:
+                   dtype=torch.bfloat16, batch: int = 1, pinned_cap: int | None = None,
+                   record: bool = False) -> LiveBytes:
     """One forward + backward of ``layers`` layers at ``batch`` x ``seq`` tokens; its ``LiveBytes`` (peaks, peak
-    phase, pinned bytes). ``pinned_cap``: offload's pinned-pool cap (None: no cap)."""
+    phase, pinned bytes). ``pinned_cap``: offload's pinned-pool cap (None: no cap). ``record``: with
+    ``peak_listing()``, what the device peak is made of (not cached)."""
     config = _config(config)
+    if record:
+        return _activation_run(config, seq, features, layers=layers, lora_r=lora_r, dtype=dtype, batch=batch,
+                               pinned_cap=pinned_cap, record=True)
     key = (config.to_json_string(), seq, features, layers, lora_r, dtype, batch, pinned_cap)
     if key not in _runs:
         while len(_runs) >= _RUNS_KEPT:
@@ -660,14 +702,14 @@ def activation_run(config, seq: int, features: Features, *, layers: int, lora_r:
 
 
 def _activation_run(config, seq: int, features: Features, *, layers: int, lora_r: int, dtype, batch: int,
-                    pinned_cap: int | None) -> LiveBytes:
+                    pinned_cap: int | None, record: bool = False) -> LiveBytes:
     if features.fused_head and not fused_head_available():
         raise ImportError("ddp_patches.memsim: the fused head runs TRL's chunked head (trl.kernels."
                           "ChunkedLogProbFunction); this TRL has none: upgrade TRL (1.16 has it)")
     model, mode = _fake_model(config, layers, lora_r, dtype)
     with mode:
         ids = torch.zeros(batch, seq, dtype=torch.long)
-        live = LiveBytes()
+        live = LiveBytes(record)
         live.exclude([*model.parameters(), *model.buffers(), ids])
         try:
             with contextlib.ExitStack() as stack:

@@ -334,3 +334,15 @@ def test_flash_backward_workspace_is_counted():
             out.backward(grad)
     # out, lse, the output gradient, dq, dk, dv and the workspace, all alive while the kernel runs
     assert live.peak["device"] >= (1 + 1 + 1.5 + 4) * unit, live.peak["device"] / unit
+
+
+def test_peak_listing_accounts_for_the_peak():
+    """``activation_run(..., record=True)``: the storages alive at the device peak, with the op that made each, add
+    up to the peak (a debugging aid for what a peak is made of)."""
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    features = memsim.Features(tiled_mlp=True, offload=True, fused_head=True, tiled_attention=True)
+    live = memsim.activation_run(config, 2048, features, layers=3, record=True)
+    listing = live.peak_listing()
+    assert sum(row[0] for row in listing) == live.peak["device"]
+    assert all(row[0] > 0 and row[1] for row in listing) and listing[0][0] >= listing[-1][0], listing[:5]
