@@ -250,17 +250,26 @@ def test_pinned_cap_keeps_the_excess_on_the_device():
 
 @pytest.mark.slow
 def test_fast_search_matches_the_exact_one():
-    """NOTE [The fast search]: the fitted line and its checks give the exact answer to the resolution: the full
-    simulation (3 and 4 layers) fits at the fast answer and not 1024 tokens further, for the patched setup under a
-    pinned cap that binds (at Llama-8B shapes the same held for all six setups, uncapped)."""
+    """NOTE [The fast search]: the fitted line and its checks give the exact search's answer (``--exact``, to the
+    resolution), its step equal to the full simulation (3 and 4 layers) there, for setups with and without offload
+    (under a pinned cap that binds) and the unfused head, the runs of one setup shared across two budgets."""
     config = memsim._config(_small(6))
-    budget = int(1.5 * GiB)  # a few thousand tokens: short runs
-    for features, pinned_cap in ((memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 5 << 20),):
-        fast, step = plan.longest_fast(config, features, budget, pinned_cap=pinned_cap)
-        at = memsim.simulate(config, fast, features, pinned_cap=pinned_cap)
-        beyond = memsim.simulate(config, fast + 1024, features, pinned_cap=pinned_cap)
-        assert step.device == at.device <= plan.usable(budget) < beyond.device, (features, fast)
-        assert at.pinned <= pinned_cap and 0 < at.host < 4 * at.per_layer_host  # the cap binds: inputs stay on the GPU
+    budgets = (int(1.5 * GiB), int(1.75 * GiB))  # a few thousand tokens: short runs
+    for features, pinned_cap in ((memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 5 << 20),
+                                 (memsim.Features(), None)):
+        line = plan._Line(config, features, pinned_cap=pinned_cap)
+        for budget in budgets:
+            fast, step = line.longest(budget)
+            at = memsim.simulate(config, fast, features, pinned_cap=pinned_cap)
+            assert step.device == at.device <= plan.usable(budget), (features, budget, fast)
+            if budget == budgets[0]:
+                exact, _ = plan.longest(config, features, budget, fine=True, pinned_cap=pinned_cap)
+                assert fast == exact, (features, fast, exact)
+                if pinned_cap:  # the cap binds: inputs stay on the GPU
+                    assert at.pinned <= pinned_cap and 0 < at.host < 4 * at.per_layer_host
+            else:  # the exact search's criterion: one step of the resolution more does not fit
+                beyond = memsim.simulate(config, fast + 1024, features, pinned_cap=pinned_cap)
+                assert beyond.device > plan.usable(budget), (features, budget, fast)
 
 
 def test_plan_names_the_pinned_cap_a_row_needs():
