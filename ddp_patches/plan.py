@@ -513,6 +513,20 @@ PUBLISHED = (  # what others publish, with their setups (not simulated here)
 
 
 UNSLOTH_HF = 28454  # Unsloth's published Hugging Face + FlashAttention-2 baseline, QLoRA r=32, 80 GB
+UNSLOTH_BASELINE = Setup(
+    "plain HF as a 2024 QLoRA recipe runs it", memsim.Features(kbit_prep=True, legacy_loss=True),
+    "PEFT's prepare_model_for_kbit_training (float32 embeddings, norms and LM head; bf16 autocast), transformers "
+    "4.44's loss (all logits in float32, a shifted copy)")
+
+
+def baseline_row(config, budget: int = 80 * 10**9, *, lora_r: int = 32, quant: str | None = "nf4") -> dict:
+    """Unsloth's HF baseline (QLoRA r=32, batch 1, 80 GB) as its recipe most likely ran, in memsim:
+    NOTE [The k-bit preparation's float32]."""
+    config = memsim._config(config)
+    n, step = _Line(config, UNSLOTH_BASELINE.features, lora_r=lora_r, quant=quant).longest(budget)
+    return {"setup": UNSLOTH_BASELINE.name, "how": UNSLOTH_BASELINE.how, "budget": budget, "longest": n,
+            "limit": limit_of(step) if step else "frozen weights and LoRA state alone",
+            "at_longest": step.as_dict() if step else None}
 
 
 def long_context_block(results: dict[str, dict], calibration: dict | None = None) -> str:
@@ -548,4 +562,9 @@ def long_context_block(results: dict[str, dict], calibration: dict | None = None
         lines += ["", f"Unsloth's baseline setup simulated (Llama-3.1-8B, QLoRA r=32, batch 1, plain HF, 80 GB read as "
                       f"{calibration['budget']:,} bytes): **{plain:,} tokens** against their {UNSLOTH_HF:,} "
                       f"({plain / UNSLOTH_HF - 1:+.0%})."]
+        kbit = calibration.get("unsloth_baseline")
+        if kbit:
+            n = kbit["longest"]
+            lines[-1] += (f" Run as a 2024 QLoRA recipe runs it ({kbit['how']}): **{n:,} tokens** "
+                          f"({n / UNSLOTH_HF - 1:+.0%}); limited by {kbit['limit']}.")
     return "\n".join(lines + ["", LONG_END])

@@ -311,6 +311,21 @@ def test_qlora_static_bytes_and_the_new_features():
     assert both.peak["device"] <= mlp.peak["device"]  # at this small width the peak is the head's, not a layer's
 
 
+def test_kbit_preparation_keeps_float32_hidden_states():
+    """NOTE [The k-bit preparation's float32]: PEFT's prepare_model_for_kbit_training upcasts what is not stored in
+    4 bits (embeddings, norms, LM head) to float32, so the static bytes grow by exactly that, and each checkpointed
+    layer's input is float32 (twice the bf16 bytes a token): the residual stream runs in float32 under autocast."""
+    config = memsim._config(_small(6))
+    seq = 2048
+    plain = memsim.simulate(config, seq, memsim.Features(), quant="nf4")
+    kbit = memsim.simulate(config, seq, memsim.Features(kbit_prep=True), quant="nf4")
+    unquantised = 2 * 8192 * 256 + 256 * (2 * 6 + 1)  # embeddings, LM head, two norms a layer and the final one
+    assert kbit.weights - plain.weights == unquantised * 2  # bf16 -> float32: 2 more bytes each
+    assert kbit.lora == plain.lora
+    assert plain.per_layer == seq * 256 * 2 and seq * 256 * 4 <= kbit.per_layer < seq * 256 * 5, kbit
+    assert kbit.activations > plain.activations
+
+
 @pytest.mark.docs
 def test_long_context_table_is_the_committed_plans_rendered():
     """The long-context table of docs/benchmarks.md is ``plan.long_context_block`` of the committed planner outputs
