@@ -537,11 +537,13 @@ def long_context_block(results: dict[str, dict], calibration: dict | None = None
     sides = sorted({key.rsplit(" ", 1)[0] for key in results}, key=lambda side: side.startswith("Q"))
     sizes = sorted({key.rsplit(" ", 1)[1] for key in results}, key=lambda size: parse_bytes(size))
     lines = [LONG_START, ""]
+    options = {s.name: s.how for s in setups()}
     for side in sides:
         first = results[f"{side} {sizes[0]}"]
         head = (f"| Llama-3.1-8B, {side}, batch 1 (simulated; in brackets the pinned host memory per GPU) | "
-                + " | ".join(f"{size} GPU" for size in sizes) + " |")
-        lines += [head, "|---|" + "---|" * len(sizes)]
+                + " | ".join(f"{size} GPU" for size in sizes) + " | options (offload: `offload_max_pinned_bytes` "
+                "at least the bracket) |")
+        lines += [head, "|---|" + "---|" * (len(sizes) + 1)]
         for row in first["rows"]:
             cells = []
             for size in sizes:
@@ -551,7 +553,7 @@ def long_context_block(results: dict[str, dict], calibration: dict | None = None
                     continue
                 pinned = f" ({found['pinned'] / GiB:.1f} GiB)" if found.get("pinned") else ""
                 cells.append(f"{found['longest']:,}{pinned}")
-            lines.append(f"| {row['setup']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {row['setup']} | " + " | ".join(cells) + f" | {options.get(row['setup'], '')} |")
         lines.append("")
     columns = ["24 GB", "40 GB", "48 GB", "80 GB", "141 GB"]
     lines += ["| published (their setup) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
