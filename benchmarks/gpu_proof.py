@@ -30,10 +30,11 @@ Steps, each a subprocess with its own time limit, so one failure or hang cannot 
                       patched vs best unpatched, and its per-parameter hooks, at 10,336 trainable tensors
   host-sync-cuda      tests/test_reach_protocol.py -k cuda: a synchronised step of the DDP core adds no host-device
                       synchronisation (torch.cuda.set_sync_debug_mode counts them; the test wants zero)
-  max-seq-cuda        benchmarks/max_seq.py, the longest sequence per rank in 30 GiB (two ranks share the GPU: 60
-                      GiB in all), 4 Llama-8B-shaped layers, bf16: patched (tiled MLP + offload + fused head) vs (a)
-                      best unpatched (fused head) vs (b) plain HF (unfused head); the judge is the first OOM under
-                      set_per_process_memory_fraction; the per-token memory of each part at the patched maximum
+  max-seq-cuda        benchmarks/max_seq.py, the longest sequence per rank of the whole Llama-3.1-8B (32 layers from
+                      tests/data/llama-3.1-8b, random bf16 weights, LoRA r=16, checkpointing), two ranks sharing the
+                      GPU, each half of its free memory (torch.cuda.mem_get_info) less 2 GiB: patched vs (a) best
+                      unpatched vs (b) plain HF, the planner's prediction for the same budget and host beside each;
+                      the judge is the first OOM under set_per_process_memory_fraction
 
 Groups (NOTE [One call, new evidence first]); limits in seconds, the harness's own seconds counted apart:
 
@@ -44,9 +45,11 @@ Groups (NOTE [One call, new evidence first]); limits in seconds, the harness's o
 How the limits were estimated: the re-run steps ran on an H100 on 2026-11-23 (docs/data/gpu-proof.json, model builds
 included): cuda-tests 51 s, offload-gpu-bound 76 s, offload-small 40 s, validate-cuda 197 s, tiled-mlp-cuda 32 s;
 each limit is 1.3x to 1.8x that. The default steps have not run on a GPU; their limits come from the work they
-do: max-seq-cuda, three sides of ~25 s start-up and model build each, a search budget of 130 s for the three
-(``--time-budget-s``: a probe predicted to end past its side's share is not started, and the side reports its
-longest fitting length as a lower bound) and the parts at the patched maximum, ~215 s; tiled-layer-cuda, 2 layers
+do: max-seq-cuda, three sides of ~25 s start-up and an 8B build each (random init on the GPU), the planner's
+prediction for the three setups (~20 s of CPU), a search budget of 120 s for the three (``--time-budget-s``: a
+probe predicted, quadratically in the length, to end past its side's share is not started, and the side reports
+its longest fitting length as a lower bound: at 8B a probe of 32K tokens is ~30 s, so the longer sides end as lower
+bounds) and the parts at the patched maximum, ~230 s; tiled-layer-cuda, 2 layers
 at <= 32K tokens (a step at 32K is ~0.2 PFLOP, about 1 s on an H100 with two ranks sharing it), 3 rounds x 2
 variants x (layer + step) x 3 lengths plus two model builds, ~80 s; the host-sync test, two spawned ranks and 5
 steps of a small net, ~30 s; ddp-overhead, the many-tensors configuration at 6 rounds (each step is bound by
@@ -103,9 +106,10 @@ def steps(tmp: str, gpus: int = 1) -> list[Step]:
     py = sys.executable
     return [
         # default: never run on a GPU yet, most valuable first (limits from the work each does: see the docstring)
-        Step("max-seq-cuda", [py, "benchmarks/max_seq.py", "--device", "cuda", "--llama-8b-layers", "--layers", "4",
-                              "--budget-mib", str(MAX_SEQ_BUDGET_MIB), "--first-seq", "16384", "--resolution", "2048",
-                              "--max-probes", "10", "--time-budget-s", "130", "--out-dir", "{out}"], 250,
+        Step("max-seq-cuda", [py, "benchmarks/max_seq.py", "--device", "cuda", "--config-json", LLAMA_8B_CONFIG,
+                              "--whole", "--lora-r", "16", "--budget-mib", "0", "--plan", "--first-seq", "8192",
+                              "--resolution", "4096", "--max-probes", "6", "--time-budget-s", "120",
+                              "--out-dir", "{out}"], 250,
              ("transformers", "peft", "trl"), "max_seq.json"),
         Step("tiled-layer-cuda", [py, "benchmarks/tiled_layer.py", "--device", "cuda", "--hidden", "4096",
                                   "--intermediate", "14336", "--heads", "32", "--kv-heads", "8", "--layers", "2",
@@ -148,9 +152,9 @@ GROUPS = {
 }
 CALL_LIMIT_S = 540
 HARNESS_S = 30
-# max-seq-cuda: 30 GiB per rank, two ranks on one 80 GB GPU, 60 GiB in all
-# (NOTE [Two ranks share the GPU, each with its own budget] in benchmarks/max_seq.py).
-MAX_SEQ_BUDGET_MIB = 30 * 1024
+# max-seq-cuda: the whole Llama-3.1-8B from its config, two ranks sharing the GPU, each half of the free memory
+# less 2 GiB (NOTE [Two ranks share the GPU, each with its own budget] in benchmarks/max_seq.py).
+LLAMA_8B_CONFIG = "tests/data/llama-3.1-8b/config.json"
 
 
 def select(chosen: list[Step], names: str | None) -> tuple[list[Step], list[str]]:

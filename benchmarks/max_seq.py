@@ -79,11 +79,17 @@ def build(args, device: str, fused_head: bool):
 
     from ddp_patches.verify.hf_models import enable_checkpointing
 
-    config = AutoConfig.for_model("llama", vocab_size=args.vocab, hidden_size=args.hidden,
-                                  intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                                  num_attention_heads=args.heads or max(1, args.hidden // 64),
-                                  num_key_value_heads=args.kv_heads or max(1, args.hidden // 256),
-                                  max_position_embeddings=1 << 22, tie_word_embeddings=False)
+    if args.config_json:  # the real model's config (its rope, head width...), at --layers layers
+        from ddp_patches import memsim
+
+        config = memsim._with_layers(memsim._config(args.config_json), args.layers)
+        config.max_position_embeddings = 1 << 22
+    else:
+        config = AutoConfig.for_model("llama", vocab_size=args.vocab, hidden_size=args.hidden,
+                                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                                      num_attention_heads=args.heads or max(1, args.hidden // 64),
+                                      num_key_value_heads=args.kv_heads or max(1, args.hidden // 256),
+                                      max_position_embeddings=1 << 22, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: an 8B-shaped init on the CPU takes minutes
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype_of(device))
@@ -93,7 +99,7 @@ def build(args, device: str, fused_head: bool):
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(model)  # before PEFT, as TRL does
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     model = get_peft_model(model, lora)
     model.train()
@@ -238,7 +244,7 @@ class Prober:
     # ranks; with one GPU they share it over gloo, and ``set_per_process_memory_fraction`` caps each process's
     # caching allocator.
     # Rule: the two budgets together leave room on the card for what the cap does not count (two CUDA contexts),
-    # as the GPU proof's 30 GiB per rank on an 80 GB card does (MAX_SEQ_BUDGET_MIB in benchmarks/gpu_proof.py). Each
+    # as the GPU proof's half of the free memory less 2 GiB a rank does (``--budget-mib 0``). Each
     # rank trains its own sequence, so the per-rank length is what one budget buys per process; the goals are
     # ratios between sides under the same budget.
     # Test: the GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py)
@@ -436,7 +442,9 @@ def worker_args(args, side_budget_s: float) -> list[str]:
            "--layers", str(args.layers), "--budget-mib", str(args.budget_mib), "--first-seq", str(args.start),
            "--resolution", str(args.resolution), "--max-tokens", str(args.max_tokens), "--threads",
            str(args.threads), "--device", args.device, "--max-probes", str(args.max_probes), "--side-budget-s",
-           str(max(0.0, side_budget_s)), "--sync-margin-mib", str(args.sync_margin_mib)]
+           str(max(0.0, side_budget_s)), "--sync-margin-mib", str(args.sync_margin_mib), "--lora-r", str(args.lora_r)]
+    if args.config_json:
+        out += ["--config-json", args.config_json]
     for name in ("heads", "kv_heads"):
         if getattr(args, name):
             out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -448,6 +456,7 @@ def run(quick: bool = False, *, options: argparse.Namespace | None = None) -> di
     runs)."""
     args = options or parser().parse_args(["--budget-mib", "64"] if quick else [])
     script, cuda = os.path.abspath(__file__), args.device == "cuda"
+    predictions = predicted(args) if args.plan else None  # before the sides: printed beside each as it ends
     sides, left = {}, args.time_budget_s
     for i, side in enumerate(RUN_ORDER):
         share = left / (len(RUN_ORDER) - i)  # an even share of what is left: unused time rolls over
@@ -455,13 +464,17 @@ def run(quick: bool = False, *, options: argparse.Namespace | None = None) -> di
         sides[side] = launch_ranks(script, 2, worker_args(args, share) + ["--side", side], threads=args.threads,
                                    cuda=cuda, without_library=not SIDES[side][0])
         left -= sides[side]["seconds"]
+        if predictions:
+            log.info("max_seq: %s side: %s tokens measured, %s predicted by the planner", side,
+                     sides[side].get("max_seq"), (predictions.get(side) or {}).get("longest"))
     sides = {side: sides[side] for side in SIDES}
     report = {
         "benchmark": NAME,
         "setup": {"device": args.device, "hidden": args.hidden, "intermediate": args.intermediate,
                   "heads": args.heads or max(1, args.hidden // 64),
                   "kv_heads": args.kv_heads or max(1, args.hidden // 256),
-                  "vocab": args.vocab, "layers": args.layers, "budget_mib": args.budget_mib, "ranks": 2, "lora_r": 8,
+                  "vocab": args.vocab, "layers": args.layers, "budget_mib": args.budget_mib, "ranks": 2,
+                  "lora_r": args.lora_r, "config_json": args.config_json, "budget_from": args.budget_from,
                   "resolution": args.resolution, "dtype": "bfloat16" if cuda else "float32",
                   "judge": "first OOM under set_per_process_memory_fraction, two steps" if cuda
                   else "peak of live tensor bytes of one step (profiler)",
@@ -471,6 +484,7 @@ def run(quick: bool = False, *, options: argparse.Namespace | None = None) -> di
         "goals": GOALS,
         "alst": ALST,
         "extrapolated": extrapolate(sides, args),
+        "predicted": predictions if predictions is not None else predicted(args),
     }
     report["ratio"] = report["ratios"]["over_best_unpatched"]  # the earlier single ratio, for older readers
     return report
@@ -499,6 +513,50 @@ def extrapolate(sides: dict, args, layers: int = 32) -> dict:
     return out
 
 
+# -- the planner's prediction ---------------------------------------------------------------------------------------
+# The planner's setup for each side (ddp_patches/plan.py SETUPS).
+PLANNED = {"patched": "patched (tiled MLP + offload + fused head)", "best_unpatched": "best unpatched (+ fused head)",
+           "plain_hf": "plain HF (checkpointing, unfused head)"}
+
+
+def predicted(args) -> dict | None:
+    """Per side, the planner's longest sequence for this run's model, LoRA rank, per-rank budget and offload's
+    default pinned cap on this host (a quarter of RAM over the 2 ranks): the simulation beside the measurement.
+    The cap excludes the CUDA context, which the planner's fixed reserve stands for: the prediction keeps only its
+    fragmentation share (``plan.RESERVE_FRACTION``) below the cap. None without --config-json (no config to plan)."""
+    if not args.plan or not args.config_json:
+        return None
+    from ddp_patches import memsim, plan
+
+    config = memsim._with_layers(memsim._config(args.config_json), args.layers)
+    cap = args.budget_mib << 20
+    budget = int(((1 - plan.RESERVE_FRACTION) * cap + plan.RESERVE_BYTES) / (1 - plan.RESERVE_FRACTION)) + 1
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    default_cap = int(host * 0.25) // 2
+    setups = {s.name: s for s in plan.SETUPS}
+    out = {}
+    for side, name in PLANNED.items():
+        features = setups[name].features
+        if features.fused_head and not memsim.fused_head_available():
+            out[side] = {"setup": name, "longest": None, "why": "this TRL has no chunked head"}
+            continue
+        n, step = plan._Line(config, features, lora_r=args.lora_r,
+                             pinned_cap=default_cap if features.offload else None).longest(budget)
+        out[side] = {"setup": name, "longest": n, "device_bytes": step.device if step else None,
+                     "pinned": step.pinned if step else 0, "offload_modelled": args.device == "cuda"}
+    return out
+
+
+def budget_from_gpu(args) -> None:
+    """--budget-mib 0 on CUDA: each of the 2 ranks gets half of the free memory less a margin for its CUDA context
+    (torch.cuda.mem_get_info, read before any rank starts)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    args.budget_mib = max(1024, (free >> 20) // 2 - args.context_mib)
+    args.budget_from = f"torch.cuda.mem_get_info: {free >> 20} MiB free of {total >> 20}, less {args.context_mib} MiB a rank"
+
+
 # -- reporting -----------------------------------------------------------------------------------------------------
 def fmt_ratio(value, lower_bound: bool) -> str:
     return "n/a" if value is None else f"{'>= ' if lower_bound else ''}{value:.2f}x"
@@ -507,10 +565,14 @@ def fmt_ratio(value, lower_bound: bool) -> str:
 def print_table(report: dict) -> None:
     s, r = report["setup"], report["ratios"]
     print(f"budget {s['budget_mib']} MiB per rank ({s['device']}, L={s['layers']} H={s['hidden']}): longest sequence")
+    predictions = report.get("predicted") or {}
     for side in SIDES:
         found = report[side]
         bound = f" (bounded by {found['bounded_by']})" if found.get("bounded_by") else ""
-        print(f"  {side:15} {found['max_seq']:>9}{bound}  {len(found['probes'])} probes, {found['seconds']:.0f} s")
+        guess = (predictions.get(side) or {}).get("longest")
+        planned = f"  planner: {guess}" if guess is not None else ""
+        print(f"  {side:15} {found['max_seq']:>9}{bound}  {len(found['probes'])} probes, {found['seconds']:.0f} s"
+              f"{planned}")
     print(f"  patched / (a) best unpatched {fmt_ratio(r['over_best_unpatched'], r['lower_bound'])} (goal >= "
           f"{GOALS['over_best_unpatched']:g}x), / (b) plain HF {fmt_ratio(r['over_plain_hf'], r['lower_bound'])} "
           f"(goal >= {GOALS['over_plain_hf']:g}x); ALST: {ALST['plain']} plain, {ALST['fused_loss']} fused loss, "
@@ -593,6 +655,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-margin-mib", type=int, default=256,
                    help="CUDA: the local probe's cap is the budget less this "
                         "(NOTE [An OOM never leaves a peer inside a collective])")
+    p.add_argument("--config-json", default=None,
+                   help="build the model from this config.json (e.g. tests/data/llama-3.1-8b/config.json) at --layers "
+                        "layers; its sizes replace --hidden/--intermediate/--heads/--kv-heads/--vocab")
+    p.add_argument("--whole", action="store_true", help="with --config-json: all of its layers (--layers ignored)")
+    p.add_argument("--lora-r", type=int, default=8, help="LoRA rank on every projection (default 8)")
+    p.add_argument("--plan", action="store_true", help="with --config-json: the planner's prediction beside each side")
+    p.add_argument("--context-mib", type=int, default=2048,
+                   help="--budget-mib 0 on CUDA: what each rank leaves for its CUDA context (default 2048)")
+    p.add_argument("--budget-from", default="--budget-mib", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--smoke", action="store_true", help="small model and budget: checks the script only")
@@ -610,6 +681,20 @@ def main(argv=None) -> int:
     if args.smoke:
         args.hidden, args.intermediate, args.vocab, args.layers = 64, 256, 1024, 2
         args.budget_mib, args.start, args.resolution = 8, 256, 256
+    if args.config_json:
+        from ddp_patches import memsim
+
+        text = memsim._text_config(memsim._config(args.config_json))
+        args.hidden, args.intermediate, args.vocab = text.hidden_size, text.intermediate_size, text.vocab_size
+        args.heads, args.kv_heads = text.num_attention_heads, text.num_key_value_heads
+        if args.whole:
+            args.layers = text.num_hidden_layers
+    if args.budget_mib == 0 and not args.worker_out:
+        if args.device != "cuda":
+            print("max_seq: --budget-mib 0 reads the free memory of a GPU; expected --device cuda (or a budget in MiB)",
+                  file=sys.stderr)
+            return 2
+        budget_from_gpu(args)
     if args.worker_out:
         if args.side_budget_s is None:  # a worker started by hand: the whole budget is its own
             args.side_budget_s = args.time_budget_s

@@ -173,6 +173,7 @@ class Features:
     chunked_loss: bool = False
     tiled_attention: bool = False
     legacy_loss: bool = False  # transformers <= 4.45's Llama loss: logits.float(), then a contiguous shifted copy
+    kbit_prep: bool = False  # PEFT's prepare_model_for_kbit_training: NOTE [The k-bit preparation's float32]
 
     @property
     def chunked_head(self) -> bool:
@@ -386,16 +387,19 @@ def _materialise(model) -> None:
 _static: dict = {}
 
 
-def static_bytes(config, *, layers: int, lora_r: int, dtype=torch.bfloat16, quant: str | None = None
-                 ) -> tuple[int, int]:
+def static_bytes(config, *, layers: int, lora_r: int, dtype=torch.bfloat16, quant: str | None = None,
+                 kbit_prep: bool = False) -> tuple[int, int]:
     """(frozen weights and buffers, LoRA state) of the whole model: they do not depend on the length.
     ``quant="nf4"``: the decoder's frozen linear weights as QLoRA stores them (``nf4_bytes``); the embeddings, the
     LM head and the norms stay in ``dtype`` (bitsandbytes keeps the head unquantised)."""
     if quant not in (None, "nf4"):
         raise ValueError(f"ddp_patches.memsim: expected quant None or 'nf4' (QLoRA's 4-bit base); found {quant!r}")
-    key = (config.to_json_string(), layers, lora_r, dtype, quant)
+    key = (config.to_json_string(), layers, lora_r, dtype, quant, kbit_prep)
     if key not in _static:
-        _static[key] = _static_bytes(build(config, layers=layers, lora_r=lora_r, dtype=dtype), quant)
+        model = build(config, layers=layers, lora_r=lora_r, dtype=dtype)
+        if kbit_prep:  # NOTE [The k-bit preparation's float32]
+            _upcast_unquantised(model)
+        _static[key] = _static_bytes(model, quant)
     return _static[key]
 
 
@@ -661,14 +665,35 @@ _models: dict = {}  # (config, layers, rank, dtype) -> (model, its FakeTensorMod
 _MODELS_KEPT = 8
 
 
-def _fake_model(config, layers: int, lora_r: int, dtype):
+# NOTE [The k-bit preparation's float32]
+# Rule: QLoRA recipes call PEFT's ``prepare_model_for_kbit_training``, which upcasts every parameter not stored in
+# 4 bits to float32 (embeddings, norms, LM head; documented in PEFT) and trains under bf16 autocast. Llama's
+# RMSNorm multiplies its float32 weight into its output, so the residual stream, and each checkpointed layer's
+# input, is float32: twice the bytes a token. ``Features(kbit_prep=True)`` builds the model so and runs the step
+# under CPU autocast (bf16): the linear layers and attention compute in bf16 as on the GPU.
+# Test: tests/test_memsim.py::test_kbit_preparation_keeps_float32_hidden_states
+
+
+def _upcast_unquantised(model) -> None:
+    """``prepare_model_for_kbit_training``'s upcast: every frozen parameter QLoRA does not store in 4 bits."""
+    quantised = {id(w) for w in _quantised(model)}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad and id(p) not in quantised and p.dtype != torch.float32:
+                module._parameters[name] = torch.nn.Parameter(p.to(torch.float32), requires_grad=False)
+
+
+def _fake_model(config, layers: int, lora_r: int, dtype, kbit_prep: bool = False):
     """The model of ``build`` with fake parameters, and the FakeTensorMode they belong to; built once and reused
-    (a run leaves nothing behind: its hooks and patches are removed, its gradients dropped)."""
+    (a run leaves nothing behind: its hooks and patches are removed, its gradients dropped). ``kbit_prep``:
+    NOTE [The k-bit preparation's float32]."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    key = (config.to_json_string(), layers, lora_r, dtype)
+    key = (config.to_json_string(), layers, lora_r, dtype, kbit_prep)
     if key not in _models:
         model = build(config, layers=layers, lora_r=lora_r, dtype=dtype)
+        if kbit_prep:
+            _upcast_unquantised(model)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             _materialise(model)
@@ -706,7 +731,7 @@ def _activation_run(config, seq: int, features: Features, *, layers: int, lora_r
     if features.fused_head and not fused_head_available():
         raise ImportError("ddp_patches.memsim: the fused head runs TRL's chunked head (trl.kernels."
                           "ChunkedLogProbFunction); this TRL has none: upgrade TRL (1.16 has it)")
-    model, mode = _fake_model(config, layers, lora_r, dtype)
+    model, mode = _fake_model(config, layers, lora_r, dtype, features.kbit_prep)
     with mode:
         ids = torch.zeros(batch, seq, dtype=torch.long)
         live = LiveBytes(record)
@@ -722,6 +747,8 @@ def _activation_run(config, seq: int, features: Features, *, layers: int, lora_r
                     stack.enter_context(_attention_tiling(model))
                 if features.fused_head:
                     stack.enter_context(_gpu_folds(live))
+                if features.kbit_prep:
+                    stack.enter_context(torch.autocast("cpu", dtype=dtype))
                 with live:
                     _loss(model, ids, features.chunked_head, features.legacy_loss, features.chunked_loss).backward()
         finally:
@@ -779,7 +806,8 @@ def simulate(config, seq: int, features: Features = Features(), *, lora_r: int =
         act = run.peak["device"] + (total - large) * per_layer_device
         moved = (total - 2) if per_host > 0 else 0  # offload keeps the first and the last layer's input
         host, pinned = moved * per_host, moved * size_class(per_host) if moved else 0
-    weights, lora = static_bytes(config, layers=total, lora_r=lora_r, dtype=dtype, quant=quant)
+    weights, lora = static_bytes(config, layers=total, lora_r=lora_r, dtype=dtype, quant=quant,
+                                 kbit_prep=features.kbit_prep)
     if quant:
         act += _dequantised_bytes(config, dtype)
     step = Step(seq=seq, layers=total, weights=weights, lora=lora, activations=act, host=host,

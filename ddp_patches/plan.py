@@ -153,100 +153,117 @@ FIT_LENGTHS = (16384, 32768)  # the two lengths the fast search fits the line th
 
 # NOTE [The fast search]
 # Rule: with flash-style attention a step's bytes are affine in the length for one set of features, piecewise
-# (TRL's head works in 32K-token chunks; the tiled MLP's shard count grows to its cap; a pinned cap keeps inputs
-# on the GPU). A full simulation (3 and 4 layers) at the first of FIT_LENGTHS gives the per-layer increment (a
-# checkpointed layer's input: proportional to the length on the device, or a constant once offloaded); from then
-# on a step is a 3-layer run plus that increment. The second length gives the line; its crossing of the budget is
-# checked by such a step, and each check corrects the next guess by the line through the nearest points, until
-# one step of the resolution more does not fit by the local line; the answer is then simulated in full (a run of 4
-# layers more, stepping down where it no longer fits). About 5 runs a setup instead of 20-30;
-# ``--exact`` keeps the full search (to the resolution). Agrees with it within 1024 tokens (small config, Llama-8B).
-# The setups run in two forked processes where the machine has two CPUs (``--jobs``).
+# (TRL's head in 4K-token tiles; the tiled MLP's shard count grows to its cap; a pinned cap keeps inputs on the
+# GPU). Per setup, three short runs give the line: 3 and 4 layers at the first of FIT_LENGTHS (the per-layer
+# increment: a kept input, proportional to the length, or a constant once offloaded), 3 layers at the second.
+# Its crossing of each budget is checked by one 3-layer run plus the increment; where the check disagrees, each
+# further run corrects the guess by the line through the nearest points (halving after four), until one step
+# of the resolution more does not fit by the local line. The increment is re-measured (a 4-layer run) only where
+# the answer's peak is in another phase than the first run's. The runs are kept across budgets (``plans``).
+# ``--exact`` keeps the full search (to the resolution); both agree to 1024 tokens (small config, Llama-8B).
+# The setups run in two forked processes where the machine has two CPUs (``--jobs``), the costliest first.
 # Test: tests/test_memsim.py::test_fast_search_matches_the_exact_one
+
+
+class _Line:
+    """One setup's runs, kept across budgets: NOTE [The fast search]."""
+
+    def __init__(self, config, features: memsim.Features, *, lora_r: int = 16, resolution: int = 1024,
+                 most: int = MOST_TOKENS, pinned_cap: int | None = None, **shape) -> None:
+        self.config, self.features, self.lora_r, self.resolution, self.most = config, features, lora_r, resolution, most
+        self.pinned_cap, self.shape = pinned_cap, shape
+        self.whole = memsim._text_config(config).num_hidden_layers <= memsim.PROBE_LAYERS[1]  # the cap applied inside
+        self.runs: dict[int, memsim.Step] = {}  # length -> its step, offload not capped (unless run whole)
+        self.first: memsim.Step | None = None
+
+    def run(self, n: int) -> memsim.Step:
+        per_layer = None if self.whole or self.first is None else self.per_layer(n)
+        step = simulate(self.config, n, self.features, lora_r=self.lora_r, per_layer=per_layer,
+                        pinned_cap=self.pinned_cap if self.whole else None, **self.shape)
+        self.first = self.first or step
+        self.runs[n] = step
+        return step
+
+    def per_layer(self, n: int) -> tuple[int, int]:
+        """(device, host) bytes one more layer adds at ``n``: a kept input (proportional) or offloaded (constant)."""
+        n1, first = FIT_LENGTHS[0], self.first
+        device_bytes = first.per_layer if self.features.offload else first.per_layer * n // n1
+        return device_bytes, first.per_layer_host * n // n1
+
+    def device(self, step: memsim.Step) -> int:
+        return step.device if self.whole else memsim.capped(step, self.pinned_cap).device
+
+    def extra(self, n: int, phase: str) -> int:
+        """What the pinned cap adds at ``n`` (0 run whole: measured in the run)."""
+        if self.whole:
+            return 0
+        probe = dataclasses.replace(self.first, activations=0, peak_in=phase, per_layer_host=self.per_layer(n)[1])
+        return memsim.capped(probe, self.pinned_cap).activations
+
+    def guess(self, cap: int, p0: tuple[int, memsim.Step], p1: tuple[int, memsim.Step]) -> int:
+        """The longest multiple of the resolution the line through two runs (plus the cap's share) keeps within
+        ``cap``; 0 where none."""
+        (x0, s0), (x1, s1) = p0, p1
+        rate = (s1.device - s0.device) / (x1 - x0)
+        lo, hi = 0, self.most // self.resolution + 1  # in steps of the resolution: fits(lo * resolution) or lo == 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            n = mid * self.resolution
+            lo, hi = (mid, hi) if s0.device + (n - x0) * rate + self.extra(n, s1.peak_in) <= cap else (lo, mid)
+        return lo * self.resolution
+
+    def longest(self, budget: int) -> tuple[int, memsim.Step | None]:
+        cap, resolution, runs = usable(budget), self.resolution, self.runs
+        for n in FIT_LENGTHS:
+            if n not in runs:
+                self.run(n)
+        for turn in range(16):  # each turn one 3-layer run (with the known increment) at the guess
+            points = sorted(runs.items())
+            below = [p for p in points if self.device(p[1]) <= cap]
+            above = [p for p in points if self.device(p[1]) > cap]
+            lo = below[-1] if below else (0, None)
+            hi = above[0] if above else None
+            if hi is not None and hi[0] - lo[0] <= resolution or lo[0] >= self.most:
+                break
+            if lo[1] is not None and hi is not None:
+                pair = (lo, hi)
+            elif hi is None:
+                pair = tuple(below[-2:])
+            else:
+                pair = tuple(above[:2])
+            n = self.guess(cap, *pair)
+            if turn >= 4 and hi is not None:  # the line keeps missing: halve the bracket
+                n = (lo[0] + hi[0]) // 2 // resolution * resolution
+            if hi is not None:
+                n = min(n, hi[0] - resolution)
+            if n <= lo[0]:
+                if lo[1] is not None or n > 0 or resolution in runs:
+                    break  # one step of the resolution more does not fit by the local line
+                n = resolution
+            if n in runs:
+                break
+            self.run(n)
+        below = [p for p in sorted(runs.items()) if self.device(p[1]) <= cap]
+        if not below:
+            return 0, None
+        n, step = below[-1]
+        if self.whole:
+            return n, step
+        if step.peak_in == self.first.peak_in:  # the increment measured at the first length holds
+            return n, memsim.capped(step, self.pinned_cap)
+        shape = {"lora_r": self.lora_r, "pinned_cap": self.pinned_cap, **self.shape}
+        for n in range(n, max(0, n - 8 * resolution), -resolution):  # the peak moved: 3 and 4 layers in full
+            full = simulate(self.config, n, self.features, **shape)
+            if full.device <= cap:
+                return n, full
+        return longest(self.config, self.features, budget, resolution=resolution, fine=True, **shape)
 
 
 def longest_fast(config, features: memsim.Features, budget: int, *, lora_r: int = 16, resolution: int = 1024,
                  most: int = MOST_TOKENS, pinned_cap: int | None = None, **shape) -> tuple[int, memsim.Step | None]:
     """``longest`` from a line and a few checks: NOTE [The fast search]."""
-    cap = usable(budget)
-    layers = memsim._text_config(config).num_hidden_layers
-    whole = layers <= memsim.PROBE_LAYERS[1]  # run whole: the cap is applied inside the run
-    runs: dict[int, memsim.Step] = {}  # length -> its step, offload not capped (unless run whole)
-
-    def run(n: int) -> memsim.Step:
-        runs[n] = simulate(config, n, features, lora_r=lora_r, per_layer=None if whole or not runs else per_layer(n),
-                           pinned_cap=pinned_cap if whole else None, **shape)
-        return runs[n]
-
-    def device(step: memsim.Step) -> int:
-        return step.device if whole else memsim.capped(step, pinned_cap).device
-
-    n1, n2 = FIT_LENGTHS
-    first = run(n1)
-
-    def per_layer(n: int) -> tuple[int, int]:  # device: a kept input (proportional) or offloaded, a constant
-        device_bytes = first.per_layer if features.offload else first.per_layer * n // n1
-        return device_bytes, first.per_layer_host * n // n1
-
-    def extra(n: int, phase: str) -> int:  # what the pinned cap adds at n (0 run whole: measured in the run)
-        if whole:
-            return 0
-        probe = dataclasses.replace(first, activations=0, peak_in=phase, per_layer_host=per_layer(n)[1])
-        return memsim.capped(probe, pinned_cap).activations
-
-    def guess(p0: tuple[int, memsim.Step], p1: tuple[int, memsim.Step]) -> int:
-        """The longest multiple of the resolution the line through two runs (plus the cap's share) keeps within
-        the budget; 0 where none."""
-        (x0, s0), (x1, s1) = p0, p1
-        rate = (s1.device - s0.device) / (x1 - x0)
-
-        def fits(n: int) -> bool:
-            return s0.device + (n - x0) * rate + extra(n, s1.peak_in) <= cap
-
-        lo, hi = 0, most // resolution + 1  # in steps of the resolution: fits(lo * resolution) or lo == 0
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid * resolution) else (lo, mid)
-        return lo * resolution
-
-    run(n2)
-    for turn in range(16):  # each turn one 3-layer run (with the known increment) at the guess
-        points = sorted(runs.items())
-        below = [p for p in points if device(p[1]) <= cap]
-        above = [p for p in points if device(p[1]) > cap]
-        lo = below[-1] if below else (0, None)
-        hi = above[0] if above else None
-        if hi is not None and hi[0] - lo[0] <= resolution or lo[0] >= most:
-            break
-        if lo[1] is not None and hi is not None:
-            pair = (lo, hi)
-        else:
-            pair = tuple(points[-2:]) if hi is None else tuple(points[:2])
-        n = guess(*pair)
-        if turn >= 4 and hi is not None:  # the line keeps missing: halve the bracket
-            n = (lo[0] + hi[0]) // 2 // resolution * resolution
-        if hi is not None:
-            n = min(n, hi[0] - resolution)
-        if n <= lo[0]:
-            if lo[1] is not None or n > 0 or resolution in runs:
-                break  # one step of the resolution more does not fit by the local line
-            n = resolution
-        if n in runs:
-            break
-        run(n)
-    below = [p for p in sorted(runs.items()) if device(p[1]) <= cap]
-    if not below:
-        return 0, None
-    n = below[-1][0]
-    if whole:
-        return n, runs[n]
-    for n in range(n, max(0, n - 8 * resolution), -resolution):  # checked by a full simulation (3 and 4 layers)
-        full = simulate(config, n, features, lora_r=lora_r, pinned_cap=pinned_cap, **shape)
-        if full.device <= cap:
-            return n, full
-        # the per-layer increment moved with the peak's place (a few KiB a layer): one step of the resolution down
-    return longest(config, features, budget, lora_r=lora_r, resolution=resolution, fine=True, pinned_cap=pinned_cap,
-                   **shape)
+    return _Line(config, features, lora_r=lora_r, resolution=resolution, most=most, pinned_cap=pinned_cap,
+                 **shape).longest(budget)
 
 
 def simulate(config, seq: int, features: memsim.Features, *, lora_r: int, **shape) -> memsim.Step:
@@ -316,25 +333,29 @@ def _how(setup: Setup, step: memsim.Step | None, default_cap: int | None) -> str
     return setup.how.replace("offload=True", f"offload=True, offload_max_pinned_bytes={step.pinned}")
 
 
-def _row(task) -> dict:
-    """One setup's row of the plan."""
-    config, setup, budget, lora_r, seq, batch, quant, default_cap, most_pinned, exact = task
+def _rows(task) -> list[dict]:
+    """One setup's row of the plan for each budget (its runs kept across them: NOTE [The fast search])."""
+    config, setup, budgets, lora_r, seq, batch, quant, default_cap, most_pinned, exact = task
     if setup.features.fused_head and not memsim.fused_head_available():
-        return {"setup": setup.name, "longest": None, "how": setup.how, "at_longest": None, "pinned": 0,
-                "limit": "not simulated: this TRL has no chunked head (trl.kernels); TRL 1.16 has"}
+        return [{"setup": setup.name, "longest": None, "how": setup.how, "at_longest": None, "pinned": 0,
+                 "limit": "not simulated: this TRL has no chunked head (trl.kernels); TRL 1.16 has"}] * len(budgets)
     shape = {"batch": batch, "quant": quant, "pinned_cap": most_pinned if setup.features.offload else None}
-    if exact:
-        n, step = longest(config, setup.features, budget, lora_r=lora_r, fine=True, **shape)
-    else:
-        n, step = longest_fast(config, setup.features, budget, lora_r=lora_r, **shape)
-    row = {"setup": setup.name, "longest": n, "how": _how(setup, step, default_cap),
-           "limit": limit_of(step) if step else "frozen weights and LoRA state alone",
-           "pinned": step.pinned if step else 0, "at_longest": step.as_dict() if step else None}
-    if seq:
-        at = simulate(config, seq, setup.features, lora_r=lora_r, **shape)
-        row["fits_seq"] = at.device <= usable(budget)
-        row["at_seq"] = at.as_dict()
-    return row
+    line = _Line(config, setup.features, lora_r=lora_r, **shape)
+    rows = []
+    for budget in budgets:
+        if exact:
+            n, step = longest(config, setup.features, budget, lora_r=lora_r, fine=True, **shape)
+        else:
+            n, step = line.longest(budget)
+        row = {"setup": setup.name, "longest": n, "how": _how(setup, step, default_cap),
+               "limit": limit_of(step) if step else "frozen weights and LoRA state alone",
+               "pinned": step.pinned if step else 0, "at_longest": step.as_dict() if step else None}
+        if seq:
+            at = simulate(config, seq, setup.features, lora_r=lora_r, **shape)
+            row["fits_seq"] = at.device <= usable(budget)
+            row["at_seq"] = at.as_dict()
+        rows.append(row)
+    return rows
 
 
 def default_jobs() -> int:
@@ -360,21 +381,41 @@ def _map(function, tasks: list, jobs: int) -> list:
         return pool.map(function, tasks, chunksize=1)
 
 
+def _cost(features: memsim.Features) -> int:
+    """A setup's relative simulation time: the tiled parts and the chunked head run many more ops."""
+    return 4 * features.tiled_attention + 2 * features.tiled_mlp + features.chunked_head
+
+
 def plan(config, *, budget: int, lora_r: int = 16, seq: int | None = None, batch: int = 1, quant: str | None = None,
          host: int | None = None, gpus_per_node: int = DEFAULT_GPUS_PER_NODE, exact: bool = False,
          jobs: int | None = None) -> dict:
+    """The plan for one GPU of ``budget`` bytes: each setup's longest sequence (``render`` prints it)."""
+    return plans(config, budgets=[budget], lora_r=lora_r, seq=seq, batch=batch, quant=quant, host=host,
+                 gpus_per_node=gpus_per_node, exact=exact, jobs=jobs)[0]
+
+
+def plans(config, *, budgets: list[int], lora_r: int = 16, seq: int | None = None, batch: int = 1,
+          quant: str | None = None, host: int | None = None, gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+          exact: bool = False, jobs: int | None = None) -> list[dict]:
+    """``plan`` for each of ``budgets``, each setup's runs shared between them (NOTE [The fast search])."""
     config = memsim._config(config)
     text = memsim._text_config(config)
-    _check_plan(text, budget, lora_r)
+    for budget in budgets:
+        _check_plan(text, budget, lora_r)
     default_cap, most_pinned = pinned_limits(host, gpus_per_node)
     jobs = default_jobs() if jobs is None else jobs
-    tasks = [(config, setup, budget, lora_r, seq, batch, quant, default_cap, most_pinned, exact) for setup in setups()]
-    rows = _map(_row, tasks, jobs)
-    return {"simulation": True, "model_type": text.model_type, "layers": text.num_hidden_layers,
-            "hidden": text.hidden_size, "lora_r": lora_r, "budget": budget, "usable": usable(budget), "seq": seq,
-            "batch": batch, "quant": quant, "host": host, "gpus_per_node": gpus_per_node,
-            "default_pinned_cap": default_cap, "most_pinned": most_pinned, "exact": exact,
-            "calibration": CALIBRATION, "rows": rows}
+    tasks = [(config, setup, list(budgets), lora_r, seq, batch, quant, default_cap, most_pinned, exact)
+             for setup in setups()]
+    # the costliest setups first, so that two processes end together (NOTE [The fast search])
+    order = sorted(range(len(tasks)), key=lambda i: -_cost(tasks[i][1].features))
+    done = dict(zip(order, _map(_rows, [tasks[i] for i in order], jobs)))
+    rows = [done[i] for i in range(len(tasks))]
+    return [{"simulation": True, "model_type": text.model_type, "layers": text.num_hidden_layers,
+             "hidden": text.hidden_size, "lora_r": lora_r, "budget": budget, "usable": usable(budget), "seq": seq,
+             "batch": batch, "quant": quant, "host": host, "gpus_per_node": gpus_per_node,
+             "default_pinned_cap": default_cap, "most_pinned": most_pinned, "exact": exact,
+             "calibration": CALIBRATION, "rows": [setup_rows[i] for setup_rows in rows]}
+            for i, budget in enumerate(budgets)]
 
 
 QUANT_NOTE = ("QLoRA: the decoder's frozen linear weights counted as bitsandbytes NF4 (0.5 byte a weight plus the "
@@ -472,6 +513,20 @@ PUBLISHED = (  # what others publish, with their setups (not simulated here)
 
 
 UNSLOTH_HF = 28454  # Unsloth's published Hugging Face + FlashAttention-2 baseline, QLoRA r=32, 80 GB
+UNSLOTH_BASELINE = Setup(
+    "plain HF as a 2024 QLoRA recipe runs it", memsim.Features(kbit_prep=True, legacy_loss=True),
+    "PEFT's prepare_model_for_kbit_training (float32 embeddings, norms and LM head; bf16 autocast), transformers "
+    "4.44's loss (all logits in float32, a shifted copy)")
+
+
+def baseline_row(config, budget: int = 80 * 10**9, *, lora_r: int = 32, quant: str | None = "nf4") -> dict:
+    """Unsloth's HF baseline (QLoRA r=32, batch 1, 80 GB) as its recipe most likely ran, in memsim:
+    NOTE [The k-bit preparation's float32]."""
+    config = memsim._config(config)
+    n, step = _Line(config, UNSLOTH_BASELINE.features, lora_r=lora_r, quant=quant).longest(budget)
+    return {"setup": UNSLOTH_BASELINE.name, "how": UNSLOTH_BASELINE.how, "budget": budget, "longest": n,
+            "limit": limit_of(step) if step else "frozen weights and LoRA state alone",
+            "at_longest": step.as_dict() if step else None}
 
 
 def long_context_block(results: dict[str, dict], calibration: dict | None = None) -> str:
@@ -482,11 +537,13 @@ def long_context_block(results: dict[str, dict], calibration: dict | None = None
     sides = sorted({key.rsplit(" ", 1)[0] for key in results}, key=lambda side: side.startswith("Q"))
     sizes = sorted({key.rsplit(" ", 1)[1] for key in results}, key=lambda size: parse_bytes(size))
     lines = [LONG_START, ""]
+    options = {s.name: s.how for s in setups()}
     for side in sides:
         first = results[f"{side} {sizes[0]}"]
         head = (f"| Llama-3.1-8B, {side}, batch 1 (simulated; in brackets the pinned host memory per GPU) | "
-                + " | ".join(f"{size} GPU" for size in sizes) + " |")
-        lines += [head, "|---|" + "---|" * len(sizes)]
+                + " | ".join(f"{size} GPU" for size in sizes) + " | options (offload: `offload_max_pinned_bytes` "
+                "at least the bracket) |")
+        lines += [head, "|---|" + "---|" * (len(sizes) + 1)]
         for row in first["rows"]:
             cells = []
             for size in sizes:
@@ -496,7 +553,7 @@ def long_context_block(results: dict[str, dict], calibration: dict | None = None
                     continue
                 pinned = f" ({found['pinned'] / GiB:.1f} GiB)" if found.get("pinned") else ""
                 cells.append(f"{found['longest']:,}{pinned}")
-            lines.append(f"| {row['setup']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {row['setup']} | " + " | ".join(cells) + f" | {options.get(row['setup'], '')} |")
         lines.append("")
     columns = ["24 GB", "40 GB", "48 GB", "80 GB", "141 GB"]
     lines += ["| published (their setup) | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
@@ -507,4 +564,9 @@ def long_context_block(results: dict[str, dict], calibration: dict | None = None
         lines += ["", f"Unsloth's baseline setup simulated (Llama-3.1-8B, QLoRA r=32, batch 1, plain HF, 80 GB read as "
                       f"{calibration['budget']:,} bytes): **{plain:,} tokens** against their {UNSLOTH_HF:,} "
                       f"({plain / UNSLOTH_HF - 1:+.0%})."]
+        kbit = calibration.get("unsloth_baseline")
+        if kbit:
+            n = kbit["longest"]
+            lines[-1] += (f" Run as a 2024 QLoRA recipe runs it ({kbit['how']}): **{n:,} tokens** "
+                          f"({n / UNSLOTH_HF - 1:+.0%}); limited by {kbit['limit']}.")
     return "\n".join(lines + ["", LONG_END])

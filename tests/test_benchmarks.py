@@ -233,6 +233,48 @@ def test_max_seq_smoke_finds_a_length_on_each_side(tmp_path):
     assert (tmp_path / "max_seq.png").stat().st_size > 0
 
 
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 256,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+@pytest.mark.slow
+def test_max_seq_from_a_config_prints_the_planners_prediction(tmp_path):
+    """The GPU proof's real-shape form on the CPU: the whole model built from a config.json (here a tiny one, all
+    its layers), LoRA at --lora-r, and the planner's prediction for the same budget beside each side. On the CPU the
+    prediction models a GPU (bf16, offload), so only its presence is checked; ``--budget-mib 0`` needs CUDA."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA))
+    proc = _run(["benchmarks/max_seq.py", "--smoke", "--config-json", str(config), "--whole", "--lora-r", "4",
+                 "--plan", "--max-probes", "3", "--out-dir", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "max_seq.json").read_text())
+    assert report["setup"]["lora_r"] == 4 and report["setup"]["layers"] == 2 and report["setup"]["hidden"] == 64
+    assert set(report["predicted"]) == {"patched", "best_unpatched", "plain_hf"}
+    assert all(isinstance(p["longest"], int) for p in report["predicted"].values())
+    assert "planner:" in proc.stdout
+    refused = _run(["benchmarks/max_seq.py", "--budget-mib", "0"])
+    assert refused.returncode == 2 and "expected --device cuda" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (the GPU proof's "
+                    "max-seq-cuda step runs this on one)")
+def test_max_seq_whole_llama_8b_on_cuda(tmp_path):
+    """The GPU proof's max-seq-cuda step as it runs: the whole Llama-3.1-8B from its config, LoRA r=16, each rank
+    half the free memory; every side finds a length, and the planner's prediction stands beside each."""
+    from benchmarks import gpu_proof
+
+    (step,) = [s for s in gpu_proof.steps(str(tmp_path)) if s.name == "max-seq-cuda"]
+    command = [part.replace("{out}", str(tmp_path)) for part in step.command]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=step.timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "max_seq.json").read_text())
+    assert report["setup"]["layers"] == 32 and report["setup"]["lora_r"] == 16
+    assert all(report[side]["max_seq"] > 0 for side in ("patched", "best_unpatched", "plain_hf"))
+    assert all(report["predicted"][side]["longest"] > 0 for side in ("patched", "best_unpatched", "plain_hf"))
+
+
 # What torchrun printed when a rank of an unpatched TRL sft.py run aborted at exit in CI (stop 24), shortened.
 EXIT_ABORT_OUTPUT = """100%|##########| 3/3 [00:00<00:00,  5.33it/s]
 terminate called without an active exception

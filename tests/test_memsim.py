@@ -250,17 +250,26 @@ def test_pinned_cap_keeps_the_excess_on_the_device():
 
 @pytest.mark.slow
 def test_fast_search_matches_the_exact_one():
-    """NOTE [The fast search]: the fitted line and its checks give the exact answer to the resolution: the full
-    simulation (3 and 4 layers) fits at the fast answer and not 1024 tokens further, for the patched setup under a
-    pinned cap that binds (at Llama-8B shapes the same held for all six setups, uncapped)."""
+    """NOTE [The fast search]: the fitted line and its checks give the exact search's answer (``--exact``, to the
+    resolution), its step equal to the full simulation (3 and 4 layers) there, for setups with and without offload
+    (under a pinned cap that binds) and the unfused head, the runs of one setup shared across two budgets."""
     config = memsim._config(_small(6))
-    budget = int(1.5 * GiB)  # a few thousand tokens: short runs
-    for features, pinned_cap in ((memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 5 << 20),):
-        fast, step = plan.longest_fast(config, features, budget, pinned_cap=pinned_cap)
-        at = memsim.simulate(config, fast, features, pinned_cap=pinned_cap)
-        beyond = memsim.simulate(config, fast + 1024, features, pinned_cap=pinned_cap)
-        assert step.device == at.device <= plan.usable(budget) < beyond.device, (features, fast)
-        assert at.pinned <= pinned_cap and 0 < at.host < 4 * at.per_layer_host  # the cap binds: inputs stay on the GPU
+    budgets = (int(1.5 * GiB), int(1.75 * GiB))  # a few thousand tokens: short runs
+    for features, pinned_cap in ((memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 5 << 20),
+                                 (memsim.Features(), None)):
+        line = plan._Line(config, features, pinned_cap=pinned_cap)
+        for budget in budgets:
+            fast, step = line.longest(budget)
+            at = memsim.simulate(config, fast, features, pinned_cap=pinned_cap)
+            assert step.device == at.device <= plan.usable(budget), (features, budget, fast)
+            if budget == budgets[0]:
+                exact, _ = plan.longest(config, features, budget, fine=True, pinned_cap=pinned_cap)
+                assert fast == exact, (features, fast, exact)
+                if pinned_cap:  # the cap binds: inputs stay on the GPU
+                    assert at.pinned <= pinned_cap and 0 < at.host < 4 * at.per_layer_host
+            else:  # the exact search's criterion: one step of the resolution more does not fit
+                beyond = memsim.simulate(config, fast + 1024, features, pinned_cap=pinned_cap)
+                assert beyond.device > plan.usable(budget), (features, budget, fast)
 
 
 def test_plan_names_the_pinned_cap_a_row_needs():
@@ -300,6 +309,21 @@ def test_qlora_static_bytes_and_the_new_features():
                                  layers=2)
     assert tiled_attention.counts()["tiled_calls"] > before  # the library's own code ran on the fake tensors
     assert both.peak["device"] <= mlp.peak["device"]  # at this small width the peak is the head's, not a layer's
+
+
+def test_kbit_preparation_keeps_float32_hidden_states():
+    """NOTE [The k-bit preparation's float32]: PEFT's prepare_model_for_kbit_training upcasts what is not stored in
+    4 bits (embeddings, norms, LM head) to float32, so the static bytes grow by exactly that, and each checkpointed
+    layer's input is float32 (twice the bf16 bytes a token): the residual stream runs in float32 under autocast."""
+    config = memsim._config(_small(6))
+    seq = 2048
+    plain = memsim.simulate(config, seq, memsim.Features(), quant="nf4")
+    kbit = memsim.simulate(config, seq, memsim.Features(kbit_prep=True), quant="nf4")
+    unquantised = 2 * 8192 * 256 + 256 * (2 * 6 + 1)  # embeddings, LM head, two norms a layer and the final one
+    assert kbit.weights - plain.weights == unquantised * 2  # bf16 -> float32: 2 more bytes each
+    assert kbit.lora == plain.lora
+    assert plain.per_layer == seq * 256 * 2 and seq * 256 * 4 <= kbit.per_layer < seq * 256 * 5, kbit
+    assert kbit.activations > plain.activations
 
 
 @pytest.mark.docs
