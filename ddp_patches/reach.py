@@ -167,6 +167,7 @@ def walk_graph(nodes: list) -> GraphFacts:
 _NODES_TO_WALK: weakref.WeakSet = weakref.WeakSet()
 _NODE_KINDS: dict[type, bool] = {}  # node type -> whether its Function may nest a backward or communicate
 _watching = [False]
+_WATCH_TARGET = "torch.autograd.function.BackwardCFunction.__init__"
 
 
 def _watch_node(node: Any, *args: Any, **kwargs: Any) -> None:
@@ -198,7 +199,7 @@ def watch_custom_functions() -> list[str]:
     from torch.autograd.function import BackwardCFunction
 
     if _watching[0]:
-        return []
+        return [_WATCH_TARGET]
     if "__init__" in vars(BackwardCFunction):
         return []  # someone else's: the walk runs every backward
     BackwardCFunction.__init__ = _watch_node
@@ -214,7 +215,7 @@ def watch_custom_functions() -> list[str]:
         return []
     _watching[0] = True
     REGISTRY.add_handle(handle)
-    return ["torch.autograd.function.BackwardCFunction.__init__"]
+    return [_WATCH_TARGET]
 
 
 def _walk_below(nodes: list) -> GraphFacts:
@@ -511,9 +512,10 @@ class UnusedParameterEdges:
         self._graph = _walk_below(_live(self._starts) or [node])
         if self._graph.may_nest:
             return  # decided at the end, as a nested backward may still accumulate them
-        no_grad = bytearray(map(operator.is_, map(_GRAD, params), itertools.repeat(None)))
-        self._early_no_grad += unreachable if no_grad.count(1) == len(no_grad) else itertools.compress(unreachable,
-                                                                                                      no_grad)
+        grads = list(map(_GRAD, params))
+        self._early_no_grad += unreachable if grads.count(None) == len(grads) else itertools.compress(
+            unreachable, map(operator.is_, grads, itertools.repeat(None)))
+        del grads  # a reference held through the fire would make AccumulateGrad's static-graph zero out-of-place
         self._early += unreachable
         self._fire(ddp, unreachable)
 
