@@ -9,6 +9,7 @@ rank used ends with ``.grad`` None (NOTE [Unused parameters without find_unused_
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import itertools
@@ -55,6 +56,8 @@ _SETTLE_LOCK = threading.Lock()
 # Rule: a settle that fired any parameter marks its forward's start nodes and remembers what it fired, until the
 # next forward. A later backward through a marked start node that accumulates into the DDP's parameters raises;
 # so does a fired parameter that later receives a gradient. A rank that fired nothing lets DDP decide, as alone.
+# A backward that keeps its graph and skips parameters (``backward(inputs=...)``) fires none of them: the stage
+# after it is no backward after the reduction (NOTE [Only a backward that accumulates]).
 # Test: tests/test_reach_backwards.py::test_the_same_loss_backward_twice_raises_as_without_the_library.
 class _BackwardStart(torch.autograd.Function):
     """Identity on one output; its backward (the first node of any backward through it) queues ``_settle``."""
@@ -107,6 +110,7 @@ _NO_NESTED_BACKWARD = frozenset({
     "bitsandbytes.autograd._functions.MatMul8bitFp",
     "ddp_patches.reach._BackwardStart", "ddp_patches.reach._FireHooks",
     "ddp_patches.tiled_mlp.SaveMLPInput", "ddp_patches.tiled_mlp.TiledMLPFunction",
+    "torch.utils.checkpoint._NoopSaveInputs",  # held by a non-reentrant checkpoint's frame, never backpropagated
 })
 # Functions whose backward issues a collective on a process group (they run no nested backward either).
 _COLLECTIVES = frozenset({f"torch.distributed.nn.functional.{name}" for name in (
@@ -151,10 +155,94 @@ def walk_graph(nodes: list) -> GraphFacts:
     return GraphFacts(may_nest, collectives)
 
 
+# NOTE [No walk without a custom Function]
+# Invariant: the walk below the outputs (NOTE [Unused parameters marked where DDP marks them]) finds a Function
+# that may nest a backward or issue a collective whenever one is in the graph, at no cost where none exists.
+# Rule: while the reducer patches are installed, each custom Function node is seen as it is made
+# (``BackwardCFunction.__init__``: THPFunction_apply instantiates it per call) and, unless its Function is listed
+# as running no nested backward and no collective, kept weakly in ``_NODES_TO_WALK``. Where that set is empty no
+# graph holds such a node and the walk is skipped; otherwise (or where the watch is off) it runs as before. A node
+# made before apply() is not seen: apply() comes before the DDP is built.
+# Test: tests/test_reach_order.py::test_a_late_fire_among_collectives_fails_loudly.
+_NODES_TO_WALK: weakref.WeakSet = weakref.WeakSet()
+_NODE_KINDS: dict[type, bool] = {}  # node type -> whether its Function may nest a backward or communicate
+_watching = [False]
+_WATCH_TARGET = "torch.autograd.function.BackwardCFunction.__init__"
+
+
+def _watch_node(node: Any, *args: Any, **kwargs: Any) -> None:
+    kind = type(node)
+    keep = _NODE_KINDS.get(kind)
+    if keep is None:
+        cls = getattr(node, "_forward_cls", None)
+        name = "" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+        keep = _NODE_KINDS[kind] = name in _COLLECTIVES or name not in _NO_NESTED_BACKWARD
+    if keep:
+        _NODES_TO_WALK.add(node)
+
+
+class _Unwatch:
+    """The handle revert() removes: custom Function nodes are no longer watched."""
+
+    def remove(self) -> None:
+        from torch.autograd.function import BackwardCFunction
+
+        if vars(BackwardCFunction).get("__init__") is _watch_node:
+            del BackwardCFunction.__init__
+        _watching[0] = False
+        _NODES_TO_WALK.clear()
+
+
+def watch_custom_functions() -> list[str]:
+    """NOTE [No walk without a custom Function]: where ``BackwardCFunction`` defines no ``__init__`` of its own and
+    a custom Function's node is seen as it is made (tried here once), the walk is skipped while none exists."""
+    from torch.autograd.function import BackwardCFunction
+
+    if _watching[0]:
+        return [_WATCH_TARGET]
+    if "__init__" in vars(BackwardCFunction):
+        return []  # someone else's: the walk runs every backward
+    BackwardCFunction.__init__ = _watch_node
+    handle = _Unwatch()
+    try:
+        probe = _ProbeStart.apply(None, None, torch.ones(1, requires_grad=True))  # listed under no name: kept
+        seen = probe.grad_fn in _NODES_TO_WALK
+    except Exception:  # noqa: BLE001 - any failure: no watch, the walk runs every backward
+        seen = False
+    _NODES_TO_WALK.clear()
+    if not seen:
+        handle.remove()
+        return []
+    _watching[0] = True
+    REGISTRY.add_handle(handle)
+    return [_WATCH_TARGET]
+
+
+def _walk_below(nodes: list) -> GraphFacts:
+    """``walk_graph``, skipped where no custom Function that matters exists (NOTE [No walk without a custom Function])."""
+    if _watching[0] and not _NODES_TO_WALK:
+        return GraphFacts(None, [])
+    return walk_graph(nodes)
+
+
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 # The C getters, called directly: a Parameter's attribute lookup costs twice as much per call.
 _REQUIRES_GRAD = torch.Tensor.requires_grad.__get__
 _GRAD, _SET_GRAD = torch.Tensor.grad.__get__, torch.Tensor.grad.__set__
+_WILL_RUN = torch._C._will_engine_execute_node
+_FLIP = bytes([1, 0]) + bytes(254)  # bytearray.translate: 0 <-> 1
+
+
+def _pick(items: list, indices: list) -> tuple:
+    """``items[i]`` for each of ``indices``, in one C call."""
+    if len(indices) == 1:
+        return (items[indices[0]],)
+    return operator.itemgetter(*indices)(items) if indices else ()
+
+
+def _index_tensor(indices: list, device) -> torch.Tensor:
+    """``torch.tensor(indices)`` without a Python object per element (``array`` hands its buffer over)."""
+    return torch.frombuffer(array.array("q", indices), dtype=torch.int64).to(device)
 
 
 # NOTE [Firing many hooks at once]
@@ -233,10 +321,13 @@ class UnusedParameterEdges:
         # and a frozen parameter has no gradient edge to take).
         self._nodes: list[Any] = [get_gradient_edge(p).node for p in self._params]
         self._reducer_index = _reducer_index(ddp, self._params)  # NOTE [Firing many hooks at once]
+        self._reducer_index_is_identity = self._reducer_index == list(range(len(self._params)))
         self._active = False
         # The DDP whose forward awaits its settle: NOTE [One collective per reduction, on every rank].
-        self._armed: weakref.ref | None = None
-        self._pending_reset: tuple | None = None  # (indices without a gradient here, their reduced counts, world)
+        # The post-hooks' fast path (``_Recorder``) while neither of the two below is set: [True] then.
+        self._quiet = [True]
+        self._armed_ref: weakref.ref | None = None
+        self._pending_reset: torch.Tensor | None = None  # indices of the parameters unused on every rank
         self._finalized_in_backward = False  # torch >= 2.15 manual finalization ran from a backward hook
         self._retired = False
         self.attached_last = 0  # parameters fired by the last settle (tests, the doctor)
@@ -248,17 +339,37 @@ class UnusedParameterEdges:
         self._starts: list[tuple] = []  # per forward since the last settle, its outputs' _BackwardStart nodes (weakly)
         self._culprit: str | None = None  # the custom Function that kept the last late fire for the end
         self._deferred = False  # the last settle left its missing parameters to a later backward of the forward
-        self._fired_by_settle: frozenset[int] = frozenset()  # fired empty by the last settle, until the next forward
+        self._by_settle: frozenset[int] = frozenset()  # fired empty by the last settle, until the next forward
 
     def __getstate__(self) -> dict:
         # A DDP is pickled or deep-copied with its forward hooks (PyTorch's own DDP tests do it): the copy keeps
         # the parameter list and watches its own nodes again at its first forward.
         state = dict(self.__dict__)
         state.update(_fired=set(), _fired_empty=set(), _node_hooks=[], _nodes=[], _active=False,
-                     _armed=None, _settling_task=-1,
+                     _armed_ref=None, _quiet=[True], _settling_task=-1,
                      _pending_reset=None, _finalized_in_backward=False, _early=[], _early_no_grad=[], _graph=None,
-                     _starts=[], _deferred=False, _fired_by_settle=frozenset())
+                     _starts=[], _deferred=False, _by_settle=frozenset())
         return state
+
+    @property
+    def _armed(self) -> weakref.ref | None:
+        """The DDP whose forward awaits its settle: NOTE [One collective per reduction, on every rank]."""
+        return self._armed_ref
+
+    @_armed.setter
+    def _armed(self, ref: weakref.ref | None) -> None:
+        self._armed_ref = ref
+        self._quiet[0] = ref is None and not self._by_settle
+
+    @property
+    def _fired_by_settle(self) -> frozenset[int]:
+        """Fired empty by the last settle, until the next forward: NOTE [A backward after the reduction]."""
+        return self._by_settle
+
+    @_fired_by_settle.setter
+    def _fired_by_settle(self, fired: frozenset[int]) -> None:
+        self._by_settle = fired
+        self._quiet[0] = self._armed_ref is None and not fired
 
     def install(self, ddp: nn.Module) -> None:
         REGISTRY.add_instance_handle(ddp.register_forward_pre_hook(self._begin))
@@ -380,25 +491,31 @@ class UnusedParameterEdges:
         """NOTE [Unused parameters marked where DDP marks them]: at the start of the backward, the parameters
         this graph task cannot reach fire now, unless a Function below may reach them in a nested backward."""
         # Thousands of parameters per backward (an MoE's idle experts): each pass below runs at C speed.
-        runs = list(map(torch._C._will_engine_execute_node, self._nodes))
-        if all(runs) or not any(runs):
+        runs = bytearray(map(_WILL_RUN, self._nodes))
+        n_run = runs.count(1)
+        if n_run == len(runs) or not n_run:
             return  # all reached; or none: autograd.grad / backward(inputs=x) (NOTE [Only a backward that accumulates])
-        unreachable = list(itertools.compress(range(len(runs)), map(operator.not_, runs)))
+        unreachable = list(itertools.compress(range(len(runs)), runs.translate(_FLIP)))
         if self._fired:
-            unreachable = [i for i in unreachable if i not in self._fired]
+            unreachable = list(itertools.filterfalse(self._fired.__contains__, unreachable))
         # A parameter frozen since the DDP was built has no edge to fire: ddp_patches/reducer.py names it instead
         # (NOTE [A frozen parameter is judged at the backward]).
-        params = list(map(self._params.__getitem__, unreachable))
-        unreachable = list(itertools.compress(unreachable, map(_REQUIRES_GRAD, params)))
+        params = _pick(self._params, unreachable)
+        trainable = bytearray(map(_REQUIRES_GRAD, params))
+        if trainable.count(1) != len(params):
+            unreachable = list(itertools.compress(unreachable, trainable))
+            params = _pick(self._params, unreachable)
         if not unreachable:
             return
         if self._later_backward_may_reach(unreachable):
             return  # decided at the end: NOTE [Several backwards of one forward]
-        self._graph = walk_graph(_live(self._starts) or [node])
+        self._graph = _walk_below(_live(self._starts) or [node])
         if self._graph.may_nest:
             return  # decided at the end, as a nested backward may still accumulate them
-        grads = map(_GRAD, map(self._params.__getitem__, unreachable))
-        self._early_no_grad += itertools.compress(unreachable, map(operator.is_, grads, itertools.repeat(None)))
+        grads = list(map(_GRAD, params))
+        self._early_no_grad += unreachable if grads.count(None) == len(grads) else itertools.compress(
+            unreachable, map(operator.is_, grads, itertools.repeat(None)))
+        del grads  # a reference held through the fire would make AccumulateGrad's static-graph zero out-of-place
         self._early += unreachable
         self._fire(ddp, unreachable)
 
@@ -406,13 +523,16 @@ class UnusedParameterEdges:
         """NOTE [Several backwards of one forward]: whether a later backward of the forwards since the last settle
         may still reach one of the ``unreached`` parameters (or a Function that may run a nested backward)."""
         will_run = torch._C._will_engine_execute_node
-        starts = self._starts if starts is None else starts
-        roots = [node for node in _live(starts) if not getattr(node, "ran", False) and not will_run(node)]
-        if not roots:
+        live = _live(self._starts if starts is None else starts)
+        roots = [node for node in live if not getattr(node, "ran", False) and not will_run(node)]
+        keeps_graph = _keeps_graph()
+        # NOTE [Only a backward that accumulates]: one that keeps its graph may have run only part of it
+        running = [node for node in live if will_run(node)] if keeps_graph else []
+        if not roots and not running:
             return False
         targets = {id(self._nodes[i]) for i in unreached}
-        keeps_graph = _keeps_graph()
-        return any(_leads_to(root, targets, will_run, keeps_graph) for root in roots)
+        return (any(_leads_to(root, targets, will_run, keeps_graph) for root in roots)
+                or _skipped_below(running, targets, will_run))
 
     def _defer(self, ddp: nn.Module, fired: set, empty: list, early_no_grad: list, starts: list) -> None:
         """NOTE [Several backwards of one forward]: fire nothing now; the backward that leaves no output pending
@@ -463,13 +583,17 @@ class UnusedParameterEdges:
             self._armed = weakref.ref(ddp)
             return
         fired.update(early)
-        late = [i for i in range(len(self._params)) if i not in fired]
+        late = [] if len(fired) == len(self._params) else list(
+            itertools.filterfalse(fired.__contains__, range(len(self._params))))
         if late and self._later_backward_may_reach(late, starts):
             self._defer(ddp, fired, empty, early_no_grad, starts)
             return
         self._deferred = False
         self.attached_last = len(late) + len(early)
-        no_grad = early_no_grad + empty + [i for i in late if self._params[i].grad is None]
+        no_grad = early_no_grad + empty
+        if late:
+            no_grad += itertools.compress(late, map(operator.is_, map(_GRAD, _pick(self._params, late)),
+                                                    itertools.repeat(None)))
         if early or late:
             for node in _live(starts):
                 node.settled_by_fire = True  # NOTE [A backward after the reduction]
@@ -484,7 +608,7 @@ class UnusedParameterEdges:
         self._culprit = graph.may_nest if graph is not None else "not walked"
         if late:
             self._fire(ddp, late)
-        self._fired_by_settle = frozenset(early) | frozenset(late)  # after the fire: a static-graph fire accumulates
+        self._fired_by_settle = frozenset(itertools.chain(early, late))  # after the fire: a static-graph fire accumulates
         # Behind the reducer's finalize (queued by now, or already run in the nested backward above).
         torch.autograd.Variable._execution_engine.queue_callback(
             lambda: self._reset_unused_everywhere(ddp, no_grad, late, context))
@@ -533,7 +657,7 @@ class UnusedParameterEdges:
         group = getattr(ddp, "process_group", None)
         world = torch.distributed.get_world_size(group)
         device = self._params[0].device
-        no_grad_index = torch.tensor(no_grad, dtype=torch.long, device=device) if no_grad else None
+        no_grad_index = _index_tensor(no_grad, device) if no_grad else None
         counts = _count_tensor(len(self._params), no_grad_index, late, world, device)
         torch.distributed.all_reduce(counts, group=group)
         finalized, self._finalized_in_backward = self._finalized_in_backward, False
@@ -543,17 +667,16 @@ class UnusedParameterEdges:
         if not no_grad:
             return  # every parameter had a gradient here, so none is unused everywhere: nothing to read back
         # On the device, read back at the reset: unused on every rank where the count of ranks without it is world.
-        self._pending_reset = (no_grad, torch.remainder(counts[no_grad_index], world + 1) == world)
+        self._pending_reset = no_grad_index[torch.remainder(counts[no_grad_index], world + 1) == world]
         if finalized or not getattr(ddp, "_require_manual_backward_finalization", False):
             self.apply_pending_reset()  # else at the user's finalize_backward(): NOTE [Manual finalization]
 
     def apply_pending_reset(self) -> None:
         if self._pending_reset is None:
             return
-        no_grad, unused_everywhere = self._pending_reset
+        unused_everywhere = self._pending_reset.tolist()
         self._pending_reset = None
-        unused = map(self._params.__getitem__, itertools.compress(no_grad, unused_everywhere.tolist()))
-        collections.deque(map(_SET_GRAD, unused, itertools.repeat(None)), 0)  # p.grad = None for each
+        collections.deque(map(_SET_GRAD, _pick(self._params, unused_everywhere), itertools.repeat(None)), 0)
 
     def backward_finalized(self) -> None:
         """The user called ``finalize_backward()`` (torch >= 2.15, manual finalization): the reducer has written
@@ -567,7 +690,8 @@ class UnusedParameterEdges:
         """Each missing parameter's DDP hook, once, with no gradient (NOTE [Firing many hooks at once])."""
         static = bool(getattr(ddp, "static_graph", False))
         if not static and self._reducer_index is not None:
-            collections.deque(map(ddp.reducer._autograd_hook, map(self._reducer_index.__getitem__, missing)), 0)
+            index = missing if self._reducer_index_is_identity else _pick(self._reducer_index, missing)
+            collections.deque(map(ddp.reducer._autograd_hook, index), 0)
             return
         with torch.enable_grad():
             out = _FireHooks.apply(static, *(self._params[i] for i in missing))
@@ -614,9 +738,11 @@ def _reducer_prepared(ddp: nn.Module) -> bool:
 # differentiate for, raises), and a settle queued in a ``backward()`` acts only if some AccumulateGrad of the DDP's
 # parameters ran in it, nested graph tasks included (a custom reentrant Function runs them in nested backwards the
 # outer graph cannot see: the settle is at the end of the OUTER backward). Where nothing ran, the forward's
-# reduction is still to come: armed again. ``backward(inputs=...)`` naming only some parameters is taken as a
+# reduction is still to come: armed again. ``backward(inputs=...)`` naming only some parameters, keeping the graph,
+# leaves those it skips (below an output it ran through, not run) to a later backward through the same outputs
+# (NOTE [Several backwards of one forward]); the last stage fires what none reached. Freeing it, it is taken as a
 # full backward (the others are fired).
-# Test: tests/test_reach.py::test_autograd_grad_through_the_outputs_fires_nothing.
+# Test: tests/test_reach_backwards.py::test_backward_with_inputs_in_two_stages_trains_as_ddp_does.
 def _live(starts: list) -> list:
     """The start nodes still alive in ``starts`` (per forward, a tuple of weak references)."""
     return [node for refs in starts for node in (ref() for ref in refs) if node is not None]
@@ -654,6 +780,25 @@ def _leads_to(root: Any, targets: set[int], will_run: Callable, keeps_graph: boo
     return found
 
 
+def _skipped_below(running: list, targets: set[int], will_run: Callable) -> bool:
+    """Whether a node in ``targets`` (or a Function that may nest a backward) lies below ``running`` (outputs this
+    backward runs through, keeping the graph) and does not run: ``backward(inputs=...)`` skipped it, so a later
+    backward through the same outputs may run it. In a backward that runs all below them, none is found."""
+    seen, stack = set(map(id, running)), [fn for node in running for fn, _ in node.next_functions if fn is not None]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if id(fn) in targets:
+            return True  # an unreached parameter in this graph: not run here, not unreachable
+        cls = getattr(fn, "_forward_cls", None)
+        if cls is not None and f"{cls.__module__}.{cls.__qualname__}" not in _NO_NESTED_BACKWARD and not will_run(fn):
+            return True
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return False
+
+
 def _in_autograd_grad(nodes: list) -> bool:
     try:  # any one leaf tells: the engine raises for every leaf while it runs autograd.grad()
         torch._C._will_engine_execute_node(nodes[0]) if nodes else None
@@ -665,12 +810,17 @@ def _in_autograd_grad(nodes: list) -> bool:
 class _Recorder:
     """AccumulateGrad post-hook: parameter ``index`` ran (any graph task, nested included)."""
 
-    __slots__ = ("edges", "index")
+    __slots__ = ("edges", "index", "record", "quiet")
 
     def __init__(self, edges: UnusedParameterEdges, index: int) -> None:
         self.edges, self.index = weakref.proxy(edges), index  # the node must not keep a retired DDP's edges alive
+        # A gradient with nothing armed and nothing fired by a settle is only recorded: one set.add, no lookups.
+        self.record, self.quiet = edges._fired.add, edges._quiet
 
     def __call__(self, grad_inputs, grad_outputs) -> None:
+        if self.quiet[0] and grad_outputs[0] is not None:
+            self.record(self.index)
+            return
         try:
             self.edges.parameter_accumulated(self.index, grad_outputs[0] is None)
         except ReferenceError:  # edges gone with their DDP; the hook is removed with them soon

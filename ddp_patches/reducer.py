@@ -152,7 +152,8 @@ def install() -> list[str]:
         return []
     _patch_ddp_init()
     trainable_set.watch_registrations()
-    targets = [TARGETS[0], *reach.patch_join_hook(), *reach.patch_finalize_backward()]
+    targets = [TARGETS[0], *reach.patch_join_hook(), *reach.patch_finalize_backward(),
+               *reach.watch_custom_functions()]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()

@@ -266,3 +266,64 @@ def test_a_backward_through_a_kept_tensor_after_the_reduction_raises(pool):
         assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
     with pytest.raises(RankError, match="gets a gradient in a backward that runs after"):
         pool.run(multi_task_case, step="then_the_kept_probe", patched=True)
+
+
+class _Chain(torch.nn.Module):
+    """One output through two layers; ``extra``: a branch on the second layer that only rows flagged 1.0 take."""
+
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        self.first = torch.nn.Linear(W, W)
+        self.second = torch.nn.Linear(W, 2)
+        self.extra = torch.nn.Linear(W, 2) if extra else None
+
+    def forward(self, x):
+        flag, x = x[:, -1:], x[:, :-1]
+        h = torch.tanh(self.first(x))
+        out = self.second(h)
+        return out + self.extra(h) * flag if self.extra is not None and bool(flag.any()) else out
+
+
+def _in_two_stages(model, x, second: str = "rest"):
+    """``loss.backward(inputs=first, retain_graph=True); loss.backward(inputs=rest)``; ``second="all"`` names every
+    parameter in the second stage too (the first layer twice: DDP alone raises)."""
+    module = getattr(model, "module", model)
+    first = list(module.first.parameters())
+    rest = [p for name, p in module.named_parameters() if not name.startswith("first.")]
+    loss = model(x).pow(2).mean()
+    loss.backward(inputs=first, retain_graph=True)
+    loss.backward(inputs=rest if second == "rest" else first + rest)
+    return loss.detach().requires_grad_()  # the harness's own backward: nothing of the DDP's below it
+
+
+STEPS.update(in_two_stages=_in_two_stages,
+             in_two_stages_overlapping=lambda model, x: _in_two_stages(model, x, second="all"))
+
+
+def two_stages_case(step: str, patched: bool, extra_on_rank0: bool) -> dict:
+    from ddp_patches.verify.parity import run_parity
+
+    with ddp_patches.patched() if patched else contextlib.nullcontext():
+        return run_parity(lambda: _Chain(extra_on_rank0).double(), _batch(lambda r, it: extra_on_rank0 and r == 0), torch.cat,
+                          STEPS[step], iters=3).as_dict()
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_backward_with_inputs_in_two_stages_trains_as_ddp_does(pool, patched):
+    """Unpatched (DDP defaults): exact. On the library before this rule, the first stage fired the second layer's
+    hooks empty, so the second stage raised "a second backward runs through outputs ... already reduced"."""
+    for r in pool.run(two_stages_case, step="in_two_stages", patched=patched, extra_on_rank0=False):
+        assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
+
+
+def test_backward_with_inputs_in_two_stages_fires_a_branch_one_rank_never_takes(pool):
+    """Rank 1 never takes ``extra``: DDP alone raises at the next forward; the library fires it in the last stage."""
+    _assert_rescued(pool, True, two_stages_case, step="in_two_stages", extra_on_rank0=True)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_backward_with_inputs_naming_a_parameter_twice_raises_as_without_the_library(pool, patched):
+    from tests.harness import RankError
+
+    with pytest.raises(RankError, match="only once|twice"):
+        pool.run(two_stages_case, step="in_two_stages_overlapping", patched=patched, extra_on_rank0=False)
