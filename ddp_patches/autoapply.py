@@ -2,7 +2,8 @@
 
 In the style of ``opentelemetry-instrument`` and ``ddtrace-run``: the command runs with ``ddp_patches/_bootstrap``
 first on PYTHONPATH, ``DDP_PATCHES_APPLY=1``, and each option (apply()'s keywords, declared in
-``ddp_patches/options.py``, plus ``--log-level``) as a ``DDP_PATCHES_*`` variable, which is what the child processes read (docs/options.md).
+``ddp_patches/options.py``, plus ``--log-level``) as a ``DDP_PATCHES_*`` variable, which is what the child
+processes read (docs/options.md).
 The ``sitecustomize`` there runs at start-up in every process (NOTE [A start-up hook in every interpreter]) and
 calls ``bootstrap()``, which applies once torch is imported (NOTE [Apply when torch is imported]).
 ``--print-env [sh|dotenv]`` prints the variables instead (NOTE [One switch for a whole launch]).
