@@ -11,10 +11,10 @@ from . import checkpointing as _checkpointing_patch
 from . import chunked_loss as _chunked_loss_patch
 from . import engines as _engines
 from . import guard as _guard
+from . import options as _options
 from .offload import offloader as _offload_patch
 from . import probes as _probes
 from . import reducer as _reducer_patch
-from . import replica_check as _replica_check
 from . import teardown as _teardown
 from . import tiled_attention as _tiled_attention_patch
 from . import tiled_mlp as _tiled_mlp_patch
@@ -24,9 +24,6 @@ from ._registry import REGISTRY
 from .distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
-
-_OFFLOAD_CHOICES = ("auto", True, False)
-
 
 @dataclass(frozen=True)
 class ApplyReport:
@@ -47,6 +44,7 @@ class ApplyReport:
 _state: dict[str, ApplyReport | None] = {"report": None}
 
 
+# Explicit keywords, for IDEs and readers; their names and defaults are OPTIONS' (tests/test_options.py checks).
 def apply(
     *,
     checkpointing: bool = True,
@@ -57,12 +55,12 @@ def apply(
     tiled_attention: bool = False,
     tiled_attention_shard_tokens: int | None = None,
     chunked_loss: bool = False,
-    offload_min_bytes: int = _offload_patch.DEFAULT_MIN_BYTES,
+    offload_min_bytes: int = 1 << 20,
     offload_max_pinned_bytes: int | None = None,
-    offload_prefetch_depth: int = _offload_patch.DEFAULT_PREFETCH_DEPTH,
-    offload_max_in_flight: int = _offload_patch.DEFAULT_MAX_IN_FLIGHT,
+    offload_prefetch_depth: int = 1,
+    offload_max_in_flight: int = 1,
     on_unsynced: str = "warn",
-    replica_check_every: int = _replica_check.DEFAULT_REPLICA_CHECK_EVERY,
+    replica_check_every: int = 100,
 ) -> ApplyReport:
     """Install the patches. Call it before building TrainingArguments/Trainer/SFTTrainer or DDP.
 
@@ -83,8 +81,8 @@ def apply(
             and logs a warning where it cannot act (single process, CPU-only host). "auto", the old default, now
             means False and says so in one WARNING line.
         offload_min_bytes: tensors smaller than this stay on the device (default 1 MiB).
-        offload_max_pinned_bytes: per-rank cap of pinned host memory for offload (default: a quarter of
-            physical RAM divided by LOCAL_WORLD_SIZE); beyond it tensors stay on the device.
+        offload_max_pinned_bytes: per-rank cap of pinned host memory for offload (default None:
+            ``options.PINNED_DEFAULT``); beyond it tensors stay on the device.
         offload_prefetch_depth: checkpoint inputs whose copy back starts ahead of backward's need for them (default
             1). Deeper helps where the host-to-device copy of one layer's input takes longer than one layer's
             backward (a slow bus, small layers); each step deeper keeps one more layer input on the device.
@@ -113,17 +111,16 @@ def apply(
             replica check, if on, then only logs). ddp_patches/guard.py and ddp_patches/replica_check.py.
         replica_check_every: compare a fingerprint of the trainable parameters across ranks before the first and
             the second optimizer step and then before every this-many-th (0: never).
+
+    Each keyword's type, bounds and environment variable are declared once, in ``ddp_patches.options.OPTIONS``.
     """
-    options = _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens)
-    options.update(_validate_tiled_attention(tiled_attention, tiled_attention_shard_tokens))
-    options.update(_validate_chunked_loss(chunked_loss))
+    given = dict(locals())  # the keywords alone: nothing else is bound yet
+    # every keyword, by its name: checked against its declaration (ddp_patches/options.py), in apply()'s order
+    options = _options.check({name: given[name] for name in _options.BY_NAME})
     if options["offload"] == "auto":
         log_rank0_once("offload-auto", logging.WARNING, "ddp_patches: offload='auto' now means offload=False "
                        "(%s); pass offload=True to turn it on", _offload_patch.WHY_OPT_IN)
         options["offload"] = False
-    options.update(_validate_offload_sizes(offload_min_bytes, offload_max_pinned_bytes))
-    options.update(_validate_offload_depths(offload_prefetch_depth, offload_max_in_flight))
-    options.update(_validate_guard(on_unsynced, replica_check_every))
     REGISTRY.settle()  # a runner's deferred apply() comes first: NOTE [A deferred apply() settles first]
     current = _state["report"]
     if current is not None:
@@ -218,79 +215,6 @@ def patched(**options) -> Iterator[ApplyReport]:
             revert()
         else:
             apply(**previous.options)  # the options in force before the block, exactly (a no-op if unchanged)
-
-
-def _validate(checkpointing, reducer, offload, tiled_mlp, tiled_mlp_shard_tokens) -> dict:
-    for name, value in (("checkpointing", checkpointing), ("reducer", reducer), ("tiled_mlp", tiled_mlp)):
-        if not isinstance(value, bool):
-            raise TypeError(f"ddp_patches.apply({name}=...) expects True or False, got {value!r}")
-    if offload not in _OFFLOAD_CHOICES or not isinstance(offload, (bool, str)):
-        raise ValueError(f"ddp_patches.apply(offload=...) expects 'auto', True or False, got {offload!r}")
-    if tiled_mlp_shard_tokens is not None and (
-        isinstance(tiled_mlp_shard_tokens, bool)
-        or not isinstance(tiled_mlp_shard_tokens, int)
-        or tiled_mlp_shard_tokens < 1
-    ):
-        raise ValueError(
-            "ddp_patches.apply(tiled_mlp_shard_tokens=...) expects None (automatic) or a positive int, "
-            f"got {tiled_mlp_shard_tokens!r}"
-        )
-    return {
-        "checkpointing": checkpointing,
-        "reducer": reducer,
-        "offload": offload,
-        "tiled_mlp": tiled_mlp,
-        "tiled_mlp_shard_tokens": tiled_mlp_shard_tokens,
-    }
-
-
-def _validate_tiled_attention(tiled_attention, shard_tokens) -> dict:
-    if not isinstance(tiled_attention, bool):
-        raise TypeError(f"ddp_patches.apply(tiled_attention=...) expects True or False, got {tiled_attention!r}")
-    if shard_tokens is not None and (isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int)
-                                     or shard_tokens < 1):
-        raise ValueError("ddp_patches.apply(tiled_attention_shard_tokens=...) expects None (automatic) or a "
-                         f"positive int, got {shard_tokens!r}")
-    return {"tiled_attention": tiled_attention, "tiled_attention_shard_tokens": shard_tokens}
-
-
-def _validate_chunked_loss(chunked_loss) -> dict:
-    if not isinstance(chunked_loss, bool):
-        raise TypeError(f"ddp_patches.apply(chunked_loss=...) expects True or False, got {chunked_loss!r}")
-    return {"chunked_loss": chunked_loss}
-
-
-def _validate_offload_sizes(min_bytes, max_pinned_bytes) -> dict:
-    for name, value, allow_none in (("offload_min_bytes", min_bytes, False),
-                                    ("offload_max_pinned_bytes", max_pinned_bytes, True)):
-        if value is None and allow_none:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            expected = "None (automatic) or " if allow_none else ""
-            raise ValueError(f"ddp_patches.apply({name}=...) expects {expected}a number of bytes >= 0, got {value!r}")
-    return {"offload_min_bytes": min_bytes, "offload_max_pinned_bytes": max_pinned_bytes}
-
-
-def _validate_offload_depths(prefetch_depth, max_in_flight) -> dict:
-    for name, value, what, default in (
-            ("offload_prefetch_depth", prefetch_depth, "layer inputs copied back ahead",
-             _offload_patch.DEFAULT_PREFETCH_DEPTH),
-            ("offload_max_in_flight", max_in_flight, "checkpoint regions whose copies out may still run",
-             _offload_patch.DEFAULT_MAX_IN_FLIGHT)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"ddp_patches.apply({name}=...) expects a whole number >= 1 ({what}), got {value!r}; "
-                             f"leave it out for the default ({default}), or pass 2 or more to overlap more copies "
-                             "at the cost of one more layer input in device memory each")
-    return {"offload_prefetch_depth": prefetch_depth, "offload_max_in_flight": max_in_flight}
-
-
-def _validate_guard(on_unsynced, replica_check_every) -> dict:
-    if on_unsynced not in _guard.ON_UNSYNCED_CHOICES:
-        raise ValueError(f"ddp_patches.apply(on_unsynced=...) expects 'warn', 'raise' or 'off', got {on_unsynced!r}")
-    if isinstance(replica_check_every, bool) or not isinstance(replica_check_every, int) or replica_check_every < 0:
-        raise ValueError("ddp_patches.apply(replica_check_every=...) expects a number of optimizer steps >= 0 "
-                         f"(0: off), got {replica_check_every!r}")
-    return {"on_unsynced": on_unsynced, "replica_check_every": replica_check_every}
 
 
 def _warn_ignored(options: dict) -> None:

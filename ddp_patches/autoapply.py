@@ -1,8 +1,9 @@
 """``ddp-patches-run [options] <command ...>``: apply() in every Python process a command starts, no code change.
 
 In the style of ``opentelemetry-instrument`` and ``ddtrace-run``: the command runs with ``ddp_patches/_bootstrap``
-first on PYTHONPATH, ``DDP_PATCHES_APPLY=1``, and each option (``OPTIONS``: apply()'s keywords, plus
-``--log-level``) as a ``DDP_PATCHES_*`` variable, which is what the child processes read (docs/options.md).
+first on PYTHONPATH, ``DDP_PATCHES_APPLY=1``, and each option (apply()'s keywords, declared in
+``ddp_patches/options.py``, plus ``--log-level``) as a ``DDP_PATCHES_*`` variable, which is what the child
+processes read (docs/options.md).
 The ``sitecustomize`` there runs at start-up in every process (NOTE [A start-up hook in every interpreter]) and
 calls ``bootstrap()``, which applies once torch is imported (NOTE [Apply when torch is imported]).
 ``--print-env [sh|dotenv]`` prints the variables instead (NOTE [One switch for a whole launch]).
@@ -16,90 +17,29 @@ import sys
 import types
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at start-up
 
+from . import options as _options
 from ._after_import import AfterImport
 
 if TYPE_CHECKING:
     import argparse
     from typing import Callable
 
-# Only os, sys and types at module level: this module loads at start-up in every process of a launch, also in
-# those that never import torch (NOTE [Apply when torch is imported]); argparse, logging, shlex and shutil load
-# where they are used.
+# Only os, sys, types and ddp_patches.options (which imports nothing) at module level: this module loads at start-up
+# in every process of a launch, also in those that never import torch (NOTE [Apply when torch is imported]);
+# argparse, logging, shlex and shutil load where they are used.
 
 ENABLE = "DDP_PATCHES_APPLY"
 LOG_LEVEL = "DDP_PATCHES_LOG_LEVEL"
-PREFIX = "DDP_PATCHES_"
+PREFIX = _options.ENV_PREFIX
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 
 
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected true or false")
-
-
-def _offload(text: str) -> bool | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return _bool(text)
-    except ValueError:
-        raise ValueError("expected auto, true or false") from None
-
-
-def _whole(text: str, least: int) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise ValueError(f"expected a whole number >= {least}") from None
-    if value < least:
-        raise ValueError(f"expected a number >= {least}")
-    return value
-
-
-def _count(text: str) -> int:
-    return _whole(text, 0)
-
-
-def _at_least_one(text: str) -> int:
-    return _whole(text, 1)
-
-
-def _count_or_auto(text: str) -> int | None:
-    return None if text.strip().lower() in ("auto", "none", "") else _count(text)
-
-
-def _on_unsynced(text: str) -> str:
-    value = text.strip().lower()
-    if value not in ("warn", "raise", "off"):
-        raise ValueError("expected warn, raise or off")
-    return value
-
-
-# apply() keyword -> how its value is read from text. tests/test_autoapply.py checks it covers apply() exactly.
-OPTIONS: dict[str, Callable[[str], object]] = {
-    "checkpointing": _bool,
-    "reducer": _bool,
-    "offload": _offload,
-    "offload_min_bytes": _count,
-    "offload_max_pinned_bytes": _count_or_auto,
-    "offload_prefetch_depth": _at_least_one,
-    "offload_max_in_flight": _at_least_one,
-    "tiled_mlp": _bool,
-    "tiled_mlp_shard_tokens": _count_or_auto,
-    "tiled_attention": _bool,
-    "tiled_attention_shard_tokens": _count_or_auto,
-    "chunked_loss": _bool,
-    "on_unsynced": _on_unsynced,  # ddp_patches/guard.py, ddp_patches/replica_check.py
-    "replica_check_every": _count,
-}
+# apply() keyword -> its declaration (ddp_patches/options.py): how its flag and variable are named and parsed.
+OPTIONS = _options.BY_NAME
 
 
 def env_name(option: str) -> str:
-    return PREFIX + option.upper()
+    return _options.BY_NAME[option].env
 
 
 def parse_options(raw: dict[str, str], spell: Callable[[str], str]) -> dict:
@@ -107,7 +47,7 @@ def parse_options(raw: dict[str, str], spell: Callable[[str], str]) -> dict:
     options = {}
     for name, text in raw.items():
         try:
-            options[name] = OPTIONS[name](text)
+            options[name] = OPTIONS[name].parse(text)
         except ValueError as e:
             raise ValueError(f"{spell(name)}={text!r} is not valid: {e}") from None
     return options
@@ -302,8 +242,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: ddp-patches-run --offload false torchrun --nproc_per_node=2 train.py",
     )
     for name in OPTIONS:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar="VALUE",
-                            help=f"apply({name}=...); also {env_name(name)}")
+        option = OPTIONS[name]
+        parser.add_argument(option.flag, dest=name, metavar="VALUE",
+                            help=f"apply({name}=...): {option.values().replace('`', '')}; also {option.env}")
     parser.add_argument("--log-level", help="show ddp_patches log lines from this level (e.g. INFO)")
     parser.add_argument("--print-env", nargs="?", const="sh", choices=("sh", "dotenv"),
                         help="print the variables instead of running a command: `export K=V` lines for "
@@ -330,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command given: expected e.g. `ddp-patches-run torchrun --nproc_per_node=2 train.py`")
     given = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
     try:
-        options = parse_options(given, lambda name: "--" + name.replace("_", "-"))
+        options = parse_options(given, lambda name: OPTIONS[name].flag)
     except ValueError as e:
         parser.error(str(e))
     if args.log_level and not _is_level(args.log_level):

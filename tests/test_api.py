@@ -71,7 +71,7 @@ def test_unknown_keyword_is_a_type_error():
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"offload": "yes"}, ValueError, "expects 'auto', True or False"),
     ({"checkpointing": 1}, TypeError, "expects True or False"),
-    ({"tiled_mlp_shard_tokens": 0}, ValueError, "positive int"),
+    ({"tiled_mlp_shard_tokens": 0}, ValueError, "None \\(automatic\\) or a number of tokens per shard >= 1, got 0"),
     ({"chunked_loss": "yes"}, TypeError, "chunked_loss=...\\) expects True or False, got 'yes'"),
     ({"offload_min_bytes": -1}, ValueError, "a number of bytes >= 0, got -1"),
     ({"offload_max_pinned_bytes": "1G"}, ValueError, "None \\(automatic\\) or a number of bytes"),

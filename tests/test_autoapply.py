@@ -59,9 +59,10 @@ def test_cli_rejects_bad_input_before_running_anything():
     (["--offload-min-bytes", "lots", "true"], "--offload-min-bytes='lots' is not valid: expected a whole number >= 0"),
     (["--replica-check-every", "1.5", "true"], "--replica-check-every='1.5' is not valid: expected a whole number"),
     (["--offload-prefetch-depth", "x", "true"], "--offload-prefetch-depth='x' is not valid: expected a whole number"),
+    (["--tiled-mlp-shard-tokens", "0", "true"], "--tiled-mlp-shard-tokens='0' is not valid: expected a number >= 1"),
     ([ROOT], "expected a command to run (e.g. torchrun); found a directory"),
     ([os.path.join(ROOT, "pyproject.toml")], "found a file that is not executable"),
-], ids=["bytes-word", "every-fraction", "depth-word", "directory", "not-executable"])
+], ids=["bytes-word", "every-fraction", "depth-word", "shard-zero", "directory", "not-executable"])
 def test_cli_answers_bad_values_in_one_line(args, expected):
     """A value that is not a whole number says what was expected (not int()'s "invalid literal"), and a command
     that is a directory or a plain file says which, in one error line with argparse's exit status."""

@@ -9,6 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ddp_patches
+from tests._helpers import library, library_warnings
 from tests.harness import DistPool, grad_fn_names
 
 
@@ -30,7 +31,7 @@ def swap_case(patched: bool = True, under_ddp: bool = True) -> dict:
     model = _Checkpointed().double()
     layer = model.layer
     x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         run = DDP(model) if under_ddp and dist.is_initialized() else model
         state = torch.get_rng_state()
         out = run(x)
@@ -70,7 +71,7 @@ def lora_loss_and_grads(patched: bool) -> tuple:
     from ddp_patches.verify.hf_models import build_lora_model, lm_batch, lm_loss
 
     torch.manual_seed(0)
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         model = build_lora_model("llama", {"use_reentrant": True})
         loss = lm_loss(model, lm_batch(0, 0, 0))
         loss.backward()
@@ -166,13 +167,12 @@ class _Recursive(torch.nn.Module):
 def wrapper_case(patched: bool, kind: str = "forces", keeps_wrapped: bool = True, before_apply: bool = False,
                  model: str = "shared") -> dict:
     from ddp_patches.verify.parity import run_parity
-    from tests.test_engines import _warnings
 
     wrapping = _wrapping_checkpoint(kind, keeps_wrapped) if kind else contextlib.nullcontext([])
-    patches = ddp_patches.patched() if patched else contextlib.nullcontext()
+    patches = library(patched)
     first, second = (wrapping, patches) if before_apply else (patches, wrapping)
     build = {"shared": _SharedTwice, "recursive": _Recursive}[model]
-    with _warnings() as lines:
+    with library_warnings() as lines:
         try:
             with first as a, second as b:
                 calls = a if before_apply else b

@@ -7,10 +7,7 @@ and its detection is also checked through transformers' own HfDeepSpeedConfig, w
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-from typing import Iterator
 
 import pytest
 import torch
@@ -18,9 +15,7 @@ from torch import nn
 
 import ddp_patches
 from ddp_patches import engines
-from tests.harness import grad_fn_names
-
-needs_deepspeed = pytest.mark.deepspeed  # skipped without deepspeed (tests/conftest.py), run last in CI
+from tests._helpers import library, library_warnings, needs_deepspeed, reentrant_nodes
 
 
 # -- detection, in one process ---------------------------------------------------------------------------------
@@ -96,7 +91,7 @@ def test_a_half_built_hf_deepspeed_config_is_not_zero3(tmp_path, monkeypatch):
         with pytest.raises(AttributeError):
             hf_deepspeed.is_deepspeed_zero3_enabled()  # transformers' own switch, on the state it left
         reset_log_once()
-        with _warnings() as lines:
+        with library_warnings() as lines:
             report = ddp_patches.apply()
             assert not engines.deepspeed_zero3()
             assert engines.of_module(nn.Linear(2, 2)) == engines.NONE
@@ -109,45 +104,20 @@ def test_a_half_built_hf_deepspeed_config_is_not_zero3(tmp_path, monkeypatch):
         hf_deepspeed.unset_hf_deepspeed_config()
 
 
-# -- helpers run on every rank ------------------------------------------------------------------------------------
-def _reentrant_nodes(t: torch.Tensor) -> int:
-    """Reentrant checkpoints that stayed reentrant (CheckpointFunctionBackward nodes) in t's graph."""
-    return grad_fn_names(t)["CheckpointFunctionBackward"]
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-@contextlib.contextmanager
-def _warnings() -> Iterator[list[str]]:
-    """The library's WARNING lines logged inside the block (the list fills as they come)."""
-    handler = _Records()
-    logging.getLogger("ddp_patches").addHandler(handler)
-    try:
-        yield handler.lines
-    finally:
-        logging.getLogger("ddp_patches").removeHandler(handler)
-
-
 # -- FSDP2 ----------------------------------------------------------------------------------------------------
 def fsdp2_lm(ckpt_kwargs=None, reshard_after_forward=True, accum=1, tiled=False, qlora=False):
     """Parity under apply(), then one more forward to see which checkpoints stayed reentrant."""
     from ddp_patches import tiled_mlp
     from ddp_patches.verify import fsdp2, hf_models
 
-    with _warnings() as lines, ddp_patches.patched(tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None):
+    with library_warnings() as lines, \
+            ddp_patches.patched(tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None):
         result = fsdp2.lm_fsdp2_parity("qwen2", ckpt_kwargs, qlora=qlora, accum=accum,
                                        reshard_after_forward=reshard_after_forward,
                                        reference_context=tiled_mlp.untiled).as_dict()
         model = fsdp2.shard(hf_models.build_lora_model("qwen2", ckpt_kwargs, qlora=qlora))
         loss = hf_models.lm_loss(model, hf_models.lm_batch(0, 0, 0))
-        result["reentrant_nodes"] = _reentrant_nodes(loss)
+        result["reentrant_nodes"] = reentrant_nodes(loss)
         loss.backward()
         result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"]
     return {**result, "log": lines}
@@ -291,9 +261,9 @@ def zero3_lora(reentrant=True, patched=True):
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
     keep = HfDeepSpeedConfig(config)
     forced = cpu_path_offloader()
-    patches = ddp_patches.patched(offload=True, tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
+    patches = library(patched, offload=True, tiled_mlp=True, tiled_mlp_shard_tokens=5)
     try:
-        with _warnings() as lines, patches, offload.use_offloader(forced):
+        with library_warnings() as lines, patches, offload.use_offloader(forced):
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(tiny_config("qwen2"), attn_implementation="eager")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -305,7 +275,7 @@ def zero3_lora(reentrant=True, patched=True):
             losses, nodes = [], 0
             for it in range(3):
                 loss = engine(**lm_batch(torch.distributed.get_rank(), it, 0)).loss
-                nodes += _reentrant_nodes(loss)
+                nodes += reentrant_nodes(loss)
                 engine.backward(loss)
                 engine.step()
                 losses.append(float(loss))
@@ -353,8 +323,8 @@ def compiled_ddp(ckpt_kwargs=None, outer=True, backend="aot_eager", patched=True
     from ddp_patches.verify.hf_models import build_lora_model, lm_batch, lm_loss, lm_parity
 
     torch._dynamo.reset()
-    patches = ddp_patches.patched(offload=True, tiled_mlp=True, tiled_mlp_shard_tokens=5) if patched else contextlib.nullcontext()
-    with _warnings() as lines, patches:
+    patches = library(patched, offload=True, tiled_mlp=True, tiled_mlp_shard_tokens=5)
+    with library_warnings() as lines, patches:
         result = lm_parity("qwen2", ckpt_kwargs, iters=2, accum=2, reference_context=tiled_mlp.untiled,
                            wrap=_compiled(outer, backend)).as_dict()
         forced = cpu_path_offloader()
@@ -390,7 +360,7 @@ def trainer_compiled(patched=True):
     from ddp_patches.verify.trainer_runs import train
 
     torch._dynamo.reset()
-    with _warnings() as lines, ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library_warnings() as lines, library(patched):
         result = train("trainer", ckpt_kwargs=REENTRANT, steps=2, args_extra={
             "torch_compile": True, "torch_compile_backend": "aot_eager"})
     return {**result, "log": lines}

@@ -13,38 +13,11 @@ from torch import nn
 
 import ddp_patches
 from ddp_patches import guard, replica_check
+from tests._helpers import LibraryLog as _Capture  # also imported from here by other test files
 
 UNSYNCED = "never averaged"
 DIVERGED = "replica check before optimizer step"
 SKIPPED = "replica check of"
-
-
-class _Capture(logging.Handler):
-    """The library's WARNING/ERROR lines (``level``), each with the optimizer step during which it was logged."""
-
-    def __init__(self, level: int = logging.WARNING) -> None:
-        super().__init__(level)
-        self.records: list[tuple[int, str, str]] = []
-        self.step = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((self.step, record.levelname, record.getMessage()))
-
-    def __enter__(self) -> "_Capture":
-        logger = logging.getLogger("ddp_patches")
-        self._old_level = logger.level
-        logger.addHandler(self)
-        if self.level < logging.WARNING:
-            logger.setLevel(self.level)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logger = logging.getLogger("ddp_patches")
-        logger.removeHandler(self)
-        logger.setLevel(self._old_level)
-
-    def lines(self, needle: str) -> list[tuple[int, str, str]]:
-        return [r for r in self.records if needle in r[2]]
 
 
 def _mlp() -> nn.Module:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
-import ddp_patches
+from tests._helpers import library
 
 TOL = 1e-9
 QLORA_TOL = 1e-4  # fp32 compute on a 4-bit base
@@ -21,7 +19,7 @@ DDP_SETTINGS = {
 def lm_case(family, ckpt, ddp, accum, qlora=False, patched=True) -> dict:
     from ddp_patches.verify.hf_models import lm_parity
 
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         return lm_parity(
             family, CKPT_KWARGS[ckpt], qlora=qlora, ddp_kwargs=DDP_SETTINGS[ddp], accum=accum
         ).as_dict()

@@ -189,6 +189,60 @@ def test_notes_are_short_and_outside_module_docstrings():
     assert not inside, "NOTEs inside module docstrings:\n  " + "\n  ".join(inside)
 
 
+TEST_REF = re.compile(r"(tests/[\w/]+\.py)?::(\w+)")  # ``tests/x.py::test_y``; ``::test_z`` is in the same file
+GPU_STEP = re.compile(r"the GPU proof's ``([\w-]+)`` step")
+
+
+def _test_names(path: str) -> set[str]:
+    tree = ast.parse(_read(os.path.join(ROOT, path)))
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def _unproven(block: str) -> list[str]:
+    """What is wrong with one NOTE's ``Test:`` line: missing, naming nothing, or naming a file or function that does
+    not exist. A rule only a GPU can exercise names its GPU proof step instead (benchmarks/gpu_proof.py)."""
+    at = re.search(r"\bTests?:", block)
+    if at is None:
+        return ["no Test: line"]
+    refs, current = [], None
+    for file, function in TEST_REF.findall(block[at.start():]):
+        current = file or current
+        refs.append((current, function))
+    steps = GPU_STEP.findall(block[at.start():])
+    if not refs and not steps:
+        return ["its Test: line names no tests/x.py::test_y"]
+    found = []
+    for file, function in refs:
+        if file is None or not os.path.exists(os.path.join(ROOT, file)):
+            found.append(f"{file}::{function}: no such file")
+        elif function not in _test_names(file):
+            found.append(f"{file}::{function}: no such test")
+    proof = _read(os.path.join(ROOT, "benchmarks", "gpu_proof.py"))
+    return found + [f"GPU proof step {step!r} does not exist" for step in steps if f"  {step} " not in proof]
+
+
+def test_every_note_names_a_test_that_exists():
+    """Each NOTE's ``Test:`` line names the test proving it, as ``tests/x.py::test_y`` (then ``::test_z`` for more
+    in the same file): the file and the function exist. A test renamed or deleted leaves no rule unproven."""
+    definitions, _ = _notes()
+    missing = []
+    for name, places in definitions.items():
+        for path, line, length in places:
+            block = "\n".join(_read(os.path.join(ROOT, path)).splitlines()[line - 1:line - 1 + length])
+            missing += [f"{path}:{line} NOTE [{name}]: {problem}" for problem in _unproven(block)]
+    assert not missing, "NOTEs without an existing test:\n  " + "\n  ".join(missing)
+
+
+def test_the_note_test_check_sees_a_missing_test():
+    """The check itself: a renamed test, a wrong file, a shorthand ``::name`` in the same file, no Test: line."""
+    here = "tests/test_layout.py"
+    assert _unproven(f"# Test: {here}::test_every_note_names_a_test_that_exists, ::test_no_such_test") == \
+        [f"{here}::test_no_such_test: no such test"]
+    assert _unproven("# Tests: tests/no_such_file.py::test_x") == ["tests/no_such_file.py::test_x: no such file"]
+    assert _unproven("# Rule: only words") == ["no Test: line"]
+    assert _unproven("# Test: the GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py)") == []
+
+
 # -- what the repository cites -------------------------------------------------------------------------------------
 INTERNAL = re.compile(r"\b(?:[Ii]ssues? #?\d+\b|[Ii]tems? \d+(?:, \d+)* of issue|round \d+ of|\.\./shared/|shared/"
                       r"(?:FACTS|USER_REPORTS)|FACTS\.md|USER_REPORTS\.md)")

@@ -5,12 +5,11 @@ Each rank gets different tokens, so experts go idle differently per rank and per
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 import ddp_patches
 from ddp_patches.verify.moe_models import FAMILIES, PARITY_FAMILIES
+from tests._helpers import library
 
 TOL = 1e-9
 CKPT = {"reentrant": {"use_reentrant": True}, "default": None}
@@ -25,7 +24,7 @@ def parity_case(family, ckpt, ddp, patched=True) -> dict:
     from ddp_patches.verify.moe_models import moe_parity
 
     kwargs, accum = DDP_CASES[ddp]
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         return moe_parity(family, CKPT[ckpt], ddp_kwargs=kwargs, accum=accum).as_dict()
 
 
@@ -89,7 +88,7 @@ def test_moe_trains_under_hf_trainer(pool, family, ckpt, static):
 def routing_case(ckpt, preserve, patched=True) -> dict:
     from ddp_patches.verify.moe_models import recompute_routing
 
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         return recompute_routing("mixtral", CKPT[ckpt] or {"use_reentrant": False}, preserve_rng_state=preserve)
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ddp_patches
-from tests.test_engines import _reentrant_nodes, _warnings
+from tests._helpers import library, library_warnings, reentrant_nodes
 
 ONE_OFFLOAD = "checkpoints run inside torch.autograd.graph.save_on_cpu"
 
@@ -74,7 +74,8 @@ def both_offloads(ours: bool, ckpt_kwargs: dict) -> dict:
     from ddp_patches.verify.hf_models import combine_lm, lm_batch, lm_loss
     from ddp_patches.verify.parity import run_parity
 
-    with _warnings() as lines, _transformers_offload_runs_on_cpu() as counting, ddp_patches.patched(offload=ours):
+    with library_warnings() as lines, _transformers_offload_runs_on_cpu() as counting, \
+            ddp_patches.patched(offload=ours):
         forced = cpu_path_offloader()  # ours on CPU tensors: it acts unless something stands in its way
         builds = iter([lambda: _lora_llama(True, ckpt_kwargs), lambda: _lora_llama(False, ckpt_kwargs)])
         with offload.use_offloader(forced) if ours else contextlib.nullcontext():  # DDP, then the reference
@@ -85,7 +86,7 @@ def both_offloads(ours: bool, ckpt_kwargs: dict) -> dict:
         with offload.use_offloader(forced) if ours else contextlib.nullcontext():
             model = torch.nn.parallel.DistributedDataParallel(_lora_llama(True, ckpt_kwargs))
             loss = lm_loss(model, lm_batch(0, 0, 0))
-            result["reentrant_nodes"] = _reentrant_nodes(loss)
+            result["reentrant_nodes"] = reentrant_nodes(loss)
             loss.backward()
     stats = forced.last_step or forced.stats
     return {**result, "theirs": counting.packs, "ours": stats.offloaded_tensors + stats.kept_last, "log": lines}
@@ -113,7 +114,7 @@ def transformers_offload_on_this_host(patched: bool) -> str:
     """The first step of a DDP LoRA model with transformers' offload=True, as it is on this host: the error."""
     from ddp_patches.verify.hf_models import lm_batch, lm_loss
 
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         model = torch.nn.parallel.DistributedDataParallel(_lora_llama(True, {"use_reentrant": True}))
         try:
             lm_loss(model, lm_batch(torch.distributed.get_rank(), 0, 0)).backward()

@@ -7,7 +7,6 @@ launched ranks; with one process the DDP part is skipped and the no-op guarantee
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import sys
@@ -20,6 +19,7 @@ if __name__ == "__main__":  # run as a script by torchrun: make the repository i
 
 import ddp_patches
 from ddp_patches.verify.raw_models import RAW_MODULES, raw_batch, raw_loss
+from tests._helpers import library
 
 TOL = 1e-9
 MODULES = ["once", "twice", "weight_sharing", "dynamic", "no_grad_input", "unused_on_some_ranks", "hidden_reentrant"]
@@ -48,7 +48,7 @@ def raw_case(module, use_reentrant, find_unused, static_graph, bucket_view, accu
     kwargs = {"static_graph": static_graph, "gradient_as_bucket_view": bucket_view}
     if find_unused is not None:
         kwargs["find_unused_parameters"] = find_unused
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         return raw_parity(module, use_reentrant=use_reentrant, ddp_kwargs=kwargs, accum=accum).as_dict()
 
 
@@ -100,7 +100,7 @@ def test_single_process_is_bit_identical():
     for patched in (False, True):
         torch.manual_seed(0)
         model = RAW_MODULES["twice"](use_reentrant=True).double()
-        with ddp_patches.patched() if patched else contextlib.nullcontext():
+        with library(patched):
             loss = raw_loss(model, raw_batch(0, 0, 0))
             loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))

@@ -182,9 +182,9 @@ def _assert_rescued(pool, patched: bool, case, **kwargs) -> None:
 
 
 def output_never_backpropagated_case(patched: bool) -> dict:
-    from tests.test_engines import _warnings
+    from tests._helpers import library_warnings
 
-    with _warnings() as seen:
+    with library_warnings() as seen:
         try:
             several_backwards_case("policy_only_value_kept", patched=patched)
         except RuntimeError as exc:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-import logging
 
 import torch
 
-import ddp_patches
+from tests._helpers import LibraryLog, library
 
 LR = 0.1
 
@@ -44,25 +43,10 @@ def _reference_after_one_step(model: torch.nn.Module, world: int) -> list[torch.
     return [p.detach().clone() for p in ref.parameters()]
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @contextlib.contextmanager
 def _library(patched: bool):
-    records = _Records()
-    lib = logging.getLogger("ddp_patches")
-    lib.addHandler(records)
-    try:
-        with ddp_patches.patched() if patched else contextlib.nullcontext():
-            yield records
-    finally:
-        lib.removeHandler(records)
+    with LibraryLog() as records, library(patched):
+        yield records
 
 
 def _trained_then_destroyed(model: torch.nn.Module, **ddp_kwargs):
@@ -126,7 +110,7 @@ def after_destroy_case(patched: bool) -> dict:
     return {"trained": trained, "no_sync_error": no_sync_error, "out": out.detach(), "plain": plain.detach(),
             "saliency": saliency, "plain_saliency": plain_saliency, "grads_untouched": grads_untouched,
             "backward": backward, "grads_after_refusal": grads_after_refusal,
-            "local_after_refusal": local_after_refusal, "warnings": records.lines}
+            "local_after_refusal": local_after_refusal, "warnings": records.messages}
 
 
 def test_evaluation_and_input_gradients_after_destroy_match_the_unpatched_run(pool):
@@ -202,7 +186,7 @@ def rewrapped_case() -> dict:
         error = max((p.detach() - e).abs().max().item() for p, e in zip(model.parameters(), expected))
         del new, opt
         dist.destroy_process_group(group)
-    return {"error": error, "warnings": records.lines, "old_alive": old is not None}
+    return {"error": error, "warnings": records.messages, "old_alive": old is not None}
 
 
 def test_a_new_ddp_on_the_same_module_trains_after_destroy(pool):

@@ -3,7 +3,6 @@ each DDP hook firing once per step, dropout replay, every family's MLP class, QL
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import math
@@ -14,6 +13,7 @@ import torch
 import ddp_patches
 from ddp_patches import engines, tiled_mlp
 from ddp_patches.verify import mlp_models
+from tests._helpers import library
 
 SHARD = 4  # tokens per shard: 2 rows x 7..12 tokens -> 4 to 6 shards, varying between ranks and steps
 
@@ -342,7 +342,7 @@ def double_backward_case(patched: bool) -> dict:
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("ddp_patches").addHandler(handler)
     try:
-        with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD) if patched else contextlib.nullcontext():
+        with library(patched, tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
             result = run_parity(lambda: mlp_models.build_stack("llama"), mlp_models.stack_batch, list, penalty_loss,
                                 iters=2, lr=0.1, reference_context=tiled_mlp.untiled).as_dict()
             result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"] if patched else 0

@@ -12,7 +12,6 @@ got no gradient at all (relative error 1.0 against a single process on the globa
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import pytest
@@ -26,6 +25,7 @@ import ddp_patches
 from ddp_patches import tiled_mlp
 from ddp_patches.verify import mlp_models
 from ddp_patches.verify.parity import params_equal_across_ranks, relative_error
+from tests._helpers import library
 
 SHARD = 4
 INPLACE = "modified by an inplace operation"
@@ -56,11 +56,11 @@ EDITS = {
 }
 
 
-def inplace_case(kind: str, library: bool) -> dict:
+def inplace_case(kind: str, patched: bool) -> dict:
     """Forward through DDP, edit one tensor an MLP read (``add_`` under no_grad), backward: the error, or None.
-    ``library``: under apply(tiled_mlp=True) (tiled), else plain torch."""
+    ``patched``: under apply(tiled_mlp=True) (tiled), else plain torch."""
     family, adapter, index, pick, _ = EDITS[kind]
-    with ddp_patches.patched(tiled_mlp=True, tiled_mlp_shard_tokens=SHARD) if library else contextlib.nullcontext():
+    with library(patched, tiled_mlp=True, tiled_mlp_shard_tokens=SHARD):
         model = mlp_models.build_stack(family, adapter=adapter)
         mlp = _stack(model).mlps[index]
         seen: list[torch.Tensor] = []
@@ -74,7 +74,7 @@ def inplace_case(kind: str, library: bool) -> dict:
             error = None
         except RuntimeError as exc:
             error = str(exc)
-        tiled = tiled_mlp.counts()["tiled_calls"] if library else 0
+        tiled = tiled_mlp.counts()["tiled_calls"] if patched else 0
     return {"error": error, "tiled_calls": tiled}
 
 
@@ -85,8 +85,8 @@ def test_an_inplace_edit_before_backward_raises_as_untiled(pool, kind):
     ran); "input" raised (the input was already saved by a node of its own). Without the library the
     kinds marked so raise torch's error ("one of the variables needed for gradient computation has been modified
     by an inplace operation"), the others give the gradients of the forward that ran."""
-    plain = pool.run(inplace_case, kind=kind, library=False)
-    patched = pool.run(inplace_case, kind=kind, library=True)
+    plain = pool.run(inplace_case, kind=kind, patched=False)
+    patched = pool.run(inplace_case, kind=kind, patched=True)
     for without, with_ in zip(plain, patched):
         assert (without["error"] is not None) == EDITS[kind][-1], without
         assert without["error"] is None or INPLACE in without["error"], without

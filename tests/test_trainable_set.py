@@ -8,12 +8,12 @@ the errors the check keeps are the ones where DDP without the library fails or d
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import pytest
 import torch
 
 import ddp_patches
+from tests._helpers import LibraryLog, library
 
 W = 8
 
@@ -43,27 +43,9 @@ def _batch(rank: int, it: int, micro: int = 0) -> torch.Tensor:
     return torch.randn(4, W, generator=g, dtype=torch.float64)
 
 
-class _Warnings(logging.Handler):
-    """The library's WARNING/ERROR lines while it is entered."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def __enter__(self) -> "_Warnings":
-        logging.getLogger("ddp_patches").addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger("ddp_patches").removeHandler(self)
-
-
 @contextlib.contextmanager
 def _library(patched: bool):
-    with _Warnings() as warnings, (ddp_patches.patched() if patched else contextlib.nullcontext()):
+    with LibraryLog() as warnings, library(patched):
         yield warnings
 
 
@@ -92,7 +74,7 @@ def reference_forward_case(patched: bool, order: str, ddp_kwargs: dict) -> dict:
 
     with _library(patched) as warnings:
         result = run_parity(_lora, _batch, torch.cat, _reference_loss(order), ddp_kwargs=ddp_kwargs, iters=3)
-    return {**result.as_dict(), "warnings": warnings.lines}
+    return {**result.as_dict(), "warnings": warnings.messages}
 
 
 @pytest.mark.parametrize("order,ddp_kwargs", [
@@ -148,7 +130,7 @@ def _frozen_layer_training(ddp_kwargs: dict, iters: int = 5, freeze_at: int = 2)
 def progressive_freezing_case(patched: bool) -> dict:
     with _library(patched) as warnings:
         result = _frozen_layer_training({"find_unused_parameters": True})
-    return {**result, "warnings": warnings.lines}
+    return {**result, "warnings": warnings.messages}
 
 
 def test_progressive_freezing_with_find_unused_trains(pool):

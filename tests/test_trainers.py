@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
-import ddp_patches
+from tests._helpers import library
 
 
 def trainer_case(kind, ckpt_kwargs, static_graph, find_unused=None, accum=2, qlora=False, patched=True) -> dict:
     from ddp_patches.verify.trainer_runs import train
 
-    with ddp_patches.patched() if patched else contextlib.nullcontext():
+    with library(patched):
         return train(kind, ckpt_kwargs=ckpt_kwargs, static_graph=static_graph, find_unused=find_unused,
                      accum=accum, qlora=qlora)
 

@@ -18,7 +18,6 @@ the default group out of step.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import inspect
 import json
@@ -29,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ddp_patches
 from tools import user_reports
-from tests.test_guard import DIVERGED, UNSYNCED, _Capture
+from tests._helpers import LibraryLog, library
+from tests.test_guard import DIVERGED, UNSYNCED
 
 REENTRANT = {"use_reentrant": True}
 NON_REENTRANT = {"use_reentrant": False}
@@ -43,18 +42,12 @@ def record(key: str, **measured) -> None:
 
 
 # -- helpers run on the ranks ----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _maybe_patched(patched: bool, **options):
-    with ddp_patches.patched(**options) if patched else contextlib.nullcontext():
-        yield
-
-
 def _isolated(fn, *, patched: bool, timeout_s: float = 30, **options) -> dict:
     """``fn(group)`` on a fresh gloo group (DDP must be built on it); an exception is caught and returned as
     ``{"error": ...}``. A failing DDP run leaves its group unusable, not the pool's default one."""
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        with _maybe_patched(patched, **options), _Capture() as cap:
+        with library(patched, **options), LibraryLog() as cap:
             result = fn(group)
         # a false alarm of the guard on a correct run would be a finding too
         return {"error": None, **result, "guard": cap.lines(UNSYNCED) + cap.lines(DIVERGED)}
@@ -627,7 +620,7 @@ def inner_model_loss(patched: bool, steps: int = 2) -> dict:
     from ddp_patches.verify.parity import DDP, params_equal_across_ranks
 
     rank = dist.get_rank()
-    with _maybe_patched(patched), _Capture() as cap:
+    with library(patched), LibraryLog() as cap:
         torch.manual_seed(0)
         ddp = DDP(build_lora_model("qwen2", None))
         opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.5)
@@ -780,7 +773,7 @@ def trl_run(kind: str, patched: bool, ckpt_kwargs, steps: int = 2, qlora: bool =
             build_datasets(f"{root}/data")
         _barrier()
         try:
-            with _maybe_patched(patched), _Capture() as cap:
+            with library(patched), LibraryLog() as cap:
                 trainer = _trl_trainer(kind, root, ckpt_kwargs, steps, qlora)
                 trainer.train()
         except Exception as exc:  # noqa: BLE001 - the failure is the measurement
@@ -845,7 +838,7 @@ def sft_qlora_run(patched: bool, ckpt_kwargs) -> dict:
     from ddp_patches.verify.trainer_runs import train
 
     try:
-        with _maybe_patched(patched):
+        with library(patched):
             result = train("sft", qlora=True, ckpt_kwargs=ckpt_kwargs, accum=1, steps=2)
     except Exception as exc:  # noqa: BLE001 - the failure is the measurement
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=20))

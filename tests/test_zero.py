@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-import ddp_patches
 from ddp_patches import engines, zero
-from tests.test_engines import _reentrant_nodes, _warnings, needs_deepspeed
+from tests._helpers import library, library_warnings, needs_deepspeed, reentrant_nodes
 
 pytestmark = needs_deepspeed
 
@@ -48,7 +47,7 @@ def _train(engine, params, batch, accum: int, steps: int, loss_of=None) -> dict:
         for step in range(steps):
             for micro in range(accum):
                 loss = loss_of(batch(step, micro))
-                nodes += _reentrant_nodes(loss)
+                nodes += reentrant_nodes(loss)
                 engine.backward(loss)
                 engine.step()
             snapshots.append([p.detach().clone() for p in params])
@@ -90,7 +89,7 @@ def shared_weight(stage: int, overlap: bool = False, accum: int = 1, checkpoint:
                   patched: bool = True, steps: int = 3, closure: bool = False) -> dict:
     deepspeed = _deepspeed()
     rank = torch.distributed.get_rank()
-    with _warnings() as lines, (ddp_patches.patched() if patched else contextlib.nullcontext()):
+    with library_warnings() as lines, library(patched):
         torch.manual_seed(0)
         net = SharedBlock(checkpoint, closure)
         engine, *_ = deepspeed.initialize(model=net, config=_config(stage, overlap, accum),
@@ -168,9 +167,9 @@ def lora_llama(stage: int = 2, ckpt_kwargs: dict | None = None, accum: int = 2, 
     deepspeed = _deepspeed()
     rank = torch.distributed.get_rank()
     forced = cpu_path_offloader()  # the offload code path on CPU tensors (NOTE [Copies, streams and lifetimes])
-    patches = ddp_patches.patched(tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None, offload=offload) \
-        if patched else contextlib.nullcontext()
-    with _warnings() as lines, patches, (offload_patch.use_offloader(forced) if offload else contextlib.nullcontext()):
+    patches = library(patched, tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None, offload=offload)
+    offloading = offload_patch.use_offloader(forced) if offload else contextlib.nullcontext()
+    with library_warnings() as lines, patches, offloading:
         torch.manual_seed(0)
         model = build_causal_lm("llama", dtype=torch.float32)
         if ckpt_kwargs is not None:
@@ -242,7 +241,7 @@ def trainer_zero2(checkpointing: bool = True, patched: bool = True, steps: int =
     data = Dataset.from_dict({"input_ids": rows, "labels": rows})
     ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                  "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 2}}
-    with _warnings() as lines, (ddp_patches.patched() if patched else contextlib.nullcontext()), \
+    with library_warnings() as lines, library(patched), \
             tempfile.TemporaryDirectory() as out:
         torch.manual_seed(0)
         model = build_causal_lm("llama", dtype=torch.float32)

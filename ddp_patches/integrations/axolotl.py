@@ -14,35 +14,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Literal, Optional
 
 from axolotl.integrations.base import BasePlugin
-from pydantic import BaseModel, Field
 
 import ddp_patches
+from ddp_patches import options as _options
 
 logger = logging.getLogger("ddp_patches")
 
 PREFIX = "ddp_patches_"
 
 
-class DDPPatchesArgs(BaseModel):
-    """apply()'s keywords as axolotl config keys (``ddp_patches_<keyword>``); unset keys keep apply()'s defaults."""
-
-    ddp_patches_checkpointing: Optional[bool] = None
-    ddp_patches_reducer: Optional[bool] = None
-    ddp_patches_offload: Optional[bool] = None
-    ddp_patches_tiled_mlp: Optional[bool] = None
-    ddp_patches_tiled_mlp_shard_tokens: Optional[int] = Field(default=None, ge=1)
-    ddp_patches_tiled_attention: Optional[bool] = None
-    ddp_patches_tiled_attention_shard_tokens: Optional[int] = Field(default=None, ge=1)
-    ddp_patches_chunked_loss: Optional[bool] = None
-    ddp_patches_offload_min_bytes: Optional[int] = Field(default=None, ge=0)
-    ddp_patches_offload_max_pinned_bytes: Optional[int] = Field(default=None, ge=0)
-    ddp_patches_offload_prefetch_depth: Optional[int] = Field(default=None, ge=1)
-    ddp_patches_offload_max_in_flight: Optional[int] = Field(default=None, ge=1)
-    ddp_patches_on_unsynced: Optional[Literal["warn", "raise", "off"]] = None
-    ddp_patches_replica_check_every: Optional[int] = Field(default=None, ge=0)
+# apply()'s keywords as axolotl config keys, with the bounds and choices they are declared with
+# (ddp_patches/options.py): a wrong value is axolotl's validation error naming the key.
+DDPPatchesArgs = _options.pydantic_model("DDPPatchesArgs", PREFIX, __name__)
 
 
 def options(cfg) -> dict:
