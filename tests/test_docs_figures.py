@@ -79,3 +79,13 @@ def test_write_report_records_the_commit_and_the_sources(tmp_path):
     assert list(record["sources"]) == provenance.SOURCES["benchmarks/results/tiled_mlp.json"]
     assert record["sources"] == provenance.source_hashes("benchmarks/results/tiled_mlp.json")
 
+
+def test_the_design_document_links_figures_instead_of_copying_them():
+    """A measured ratio or a percentage of a step in the design document is a copy that drifts: it links
+    docs/benchmarks.md, where each figure is rendered from its result."""
+    with open(os.path.join(ROOT, "DDP_GRADIENT_CHECKPOINTING_FIX.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    copied = [f"{i}: {line.strip()[:100]}" for i, line in enumerate(lines, 1)
+              if re.search(r"\b\d\.\d{2,3}x\b|\d+(\.\d+)? ms/step", line)]
+    assert not copied, "\n  ".join(["measured figures copied into the design document:", *copied])
+    assert "docs/benchmarks.md#" in "\n".join(lines)

@@ -189,6 +189,15 @@ def test_notes_are_short_and_outside_module_docstrings():
     assert not inside, "NOTEs inside module docstrings:\n  " + "\n  ".join(inside)
 
 
+def test_every_note_names_its_section_and_every_section_lists_its_notes():
+    """Each NOTE in the code names the design document's section that explains it (a ``# Design:`` line), and that
+    section's ``NOTEs:`` line lists it (``python -m tools.note_sections --check``; ``--write`` fixes the code)."""
+    from tools import note_sections
+
+    problems = note_sections.problems()
+    assert not problems, "NOTEs and design sections disagree:\n  " + "\n  ".join(problems)
+
+
 # -- what the repository cites -------------------------------------------------------------------------------------
 INTERNAL = re.compile(r"\b(?:[Ii]ssues? #?\d+\b|[Ii]tems? \d+(?:, \d+)* of issue|round \d+ of|\.\./shared/|shared/"
                       r"(?:FACTS|USER_REPORTS)|FACTS\.md|USER_REPORTS\.md)")
