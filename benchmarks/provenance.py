@@ -37,6 +37,7 @@ SOURCES: dict[str, list[str]] = {
     "docs/data/plan-llama-3.1-8b-80gib.json": [*_PLANNER, "tests/data/llama-3.1-8b/config.json"],
     "docs/data/plan-qwen2.5-vl-7b-text-80gib.json": [*_PLANNER, "tests/data/qwen2.5-vl-7b-text/config.json"],
     "docs/data/plan-long-context.json": ["tools/long_context.py", *_PLANNER, "tests/data/llama-3.1-8b/config.json"],
+    "docs/data/chunked-loss-bytes.json": ["tools/chunked_loss_bytes.py", "ddp_patches/chunked_loss.py"],
     "docs/data/gpu-proof.json": ["benchmarks/gpu_proof.py", "benchmarks/offload.py", "benchmarks/tiled_mlp.py",
                                  "tests/test_offload_cuda.py", "ddp_patches/tiled_mlp.py", *_OFFLOAD],
 }

@@ -7,6 +7,7 @@ the result files alone, with "stale since <commit>" where a result's sources cha
     python -m tools.figures --check      # exit 1, naming each block that differs from its rendering
     python -m tools.figures stamp FILE   # record the commit and source hashes in a result written by hand
     python -m tools.figures backfill     # results without provenance: the commit that last wrote them (git log)
+    python -m tools.figures measure-chunked-loss   # the chunked loss's bytes (meta device, seconds), then render
 """
 
 from __future__ import annotations
@@ -31,11 +32,15 @@ BLOCKS: dict[str, tuple[str, list[str]]] = {
     "benchmarks": (PAGE, BENCHMARK_RESULTS),
     "max-seq-simulated": (PAGE, [f"{_D}plan-llama-3.1-8b-80gib.json", f"{_D}plan-qwen2.5-vl-7b-text-80gib.json"]),
     "long-context": (PAGE, [f"{_D}plan-long-context.json"]),
+    "chunked-loss": (PAGE, [f"{_D}chunked-loss-bytes.json"]),
     "gpu-proof": (PAGE, [f"{_D}gpu-proof.json"]),
     "readme-benchmarks": (README, [f"{_R}ddp_overhead.json", f"{_R}offload.json", f"{_R}tiled_mlp.json",
                                    f"{_D}plan-long-context.json", f"{_R}guard.json"]),
 }
 README_START, README_END = "<!-- readme-benchmarks:start -->", "<!-- readme-benchmarks:end -->"
+CHUNKED_START, CHUNKED_END = "<!-- chunked-loss:start (python -m tools.figures measure-chunked-loss) -->", \
+    "<!-- chunked-loss:end -->"
+CHUNKED_TOKENS = (8192, 65536)
 
 
 def _load(rel: str) -> dict:
@@ -85,6 +90,34 @@ def readme_block() -> str:
     return "\n".join(lines + [README_END])
 
 
+def measure_chunked_loss() -> None:
+    """docs/data/chunked-loss-bytes.json: the loss path's bytes, unchunked and chunked (tools/chunked_loss_bytes)."""
+    from tools import chunked_loss_bytes as clb
+
+    rows = []
+    for tokens in CHUNKED_TOKENS:
+        row = {"tokens": tokens}
+        for chunked in (False, True):
+            mode = clb.measure(tokens, chunked)
+            row["chunked" if chunked else "unchunked"] = {"peak": mode.peak, "largest": mode.largest}
+        rows.append(row)
+    path = os.path.join(ROOT, _D, "chunked-loss-bytes.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"shapes": {"hidden": clb.HIDDEN, "vocab": clb.VOCAB, "dtype": "bfloat16"}, "rows": rows}, f,
+                  indent=1)
+        f.write("\n")
+    provenance.stamp(path)
+
+
+def chunked_loss_block() -> str:
+    data, g = _load(f"{_D}chunked-loss-bytes.json"), lambda n: f"{n / 2**30:.1f} GiB"
+    lines = [CHUNKED_START, "", "| tokens | unchunked: peak / largest tensor | `chunked_loss=True`: peak / largest tensor |",
+             "|---|---|---|"]
+    lines += [f"| {r['tokens'] // 1024}K | {g(r['unchunked']['peak'])} / {g(r['unchunked']['largest'])} | "
+              f"{g(r['chunked']['peak'])} / {g(r['chunked']['largest'])} |" for r in data["rows"]]
+    return "\n".join(lines + ["", CHUNKED_END])
+
+
 def provenance_line(name: str) -> str:
     """The line under a block: where each of its results was measured, and which are stale."""
     parts = []
@@ -120,6 +153,9 @@ def rendered(path: str) -> str:
         text = head + START + "\n" + "\n".join(readme_table(os.path.join(ROOT, _R))) + "\n" + END + rest.split(END, 1)[1]
     if path == README:
         text = re.sub(re.escape(README_START) + ".*?" + re.escape(README_END), lambda _: readme_block(), text,
+                      flags=re.S)
+    if path == PAGE and CHUNKED_START in text:
+        text = re.sub(re.escape(CHUNKED_START) + ".*?" + re.escape(CHUNKED_END), lambda _: chunked_loss_block(), text,
                       flags=re.S)
     for name, (page, _) in BLOCKS.items():
         if page == path and name != "readme-benchmarks":
@@ -163,11 +199,15 @@ def main(argv: list[str]) -> int:
         for p in argv[1:]:
             provenance.stamp(p)
         return 0
-    if argv[:1] == ["backfill"]:
+    if argv[:1] == ["measure-chunked-loss"]:
+        measure_chunked_loss()
+        argv = []
+    elif argv[:1] == ["backfill"]:
         print("\n".join(backfill()) or "every result has its provenance")
         return 0
     if argv:
-        print(f"tools.figures: expected no argument, --check, stamp FILE... or backfill; found {argv}",
+        print(f"tools.figures: expected no argument, --check, stamp FILE..., backfill or measure-chunked-loss; "
+              f"found {argv}",
               file=sys.stderr)
         return 2
     for path in (PAGE, README):
