@@ -47,9 +47,17 @@ def sections() -> dict[str, list[str]]:
 
 
 def _python_files() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.split()
-    return sorted(p for p in out if os.path.exists(os.path.join(ROOT, p)) and "/upstream/" not in p)
+    """The repository's Python files (git's list; a walk where there is no repository)."""
+    done = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+        found = done.stdout.split()
+    else:
+        found = []
+        for top, dirs, names in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"]
+            found += [os.path.relpath(os.path.join(top, n), ROOT) for n in names if n.endswith(".py")]
+    return sorted(p for p in found if os.path.exists(os.path.join(ROOT, p)) and "/upstream/" not in p)
 
 
 def notes() -> list[dict]:
