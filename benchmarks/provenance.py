@@ -10,9 +10,11 @@ show it as "stale since <commit>" and tests/test_docs_figures.py fails where a p
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import subprocess
+import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OFFLOAD = [f"ddp_patches/offload/{n}.py" for n in ("copier", "offloader", "pinned_pool", "policy", "probes",
@@ -49,8 +51,19 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def _digest(data: bytes | None) -> str:
-    return "absent" if data is None else hashlib.sha256(data).hexdigest()[:16]
+def _digest(rel: str, data: bytes | None) -> str:
+    """A source's hash; for Python, of its tokens without comments and blank lines, so that a comment (a NOTE's
+    design line, say) does not make a measurement stale, and any change to the code does."""
+    if data is None:
+        return "absent"
+    if rel.endswith(".py"):
+        try:
+            tokens = tokenize.tokenize(io.BytesIO(data).readline)
+            data = "\x00".join(f"{t.type}:{t.string}" for t in tokens
+                                if t.type not in (tokenize.COMMENT, tokenize.NL)).encode()
+        except (tokenize.TokenError, SyntaxError):
+            pass  # not tokenizable: its bytes
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def source_hashes(result: str, commit: str | None = None) -> dict[str, str]:
@@ -63,7 +76,7 @@ def source_hashes(result: str, commit: str | None = None) -> dict[str, str]:
         else:
             done = subprocess.run(["git", "show", f"{commit}:{rel}"], cwd=ROOT, capture_output=True)
             data = done.stdout if done.returncode == 0 else None
-        hashes[rel] = _digest(data)
+        hashes[rel] = _digest(rel, data)
     return hashes
 
 

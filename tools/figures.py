@@ -8,6 +8,7 @@ the result files alone, with "stale since <commit>" where a result's sources cha
     python -m tools.figures stamp FILE   # record the commit and source hashes in a result written by hand
     python -m tools.figures backfill     # results without provenance: the commit that last wrote them (git log)
     python -m tools.figures measure-chunked-loss   # the chunked loss's bytes (meta device, seconds), then render
+    python -m tools.figures rehash       # each result's hashes again, at its recorded commit (the hashing changed)
 """
 
 from __future__ import annotations
@@ -185,6 +186,17 @@ def backfill() -> list[str]:
     return done
 
 
+def rehash() -> list[str]:
+    """Record each result's source hashes again, as its recorded commit has them (after a change to the hashing)."""
+    done = []
+    for rel in provenance.SOURCES:
+        commit = _load(rel).get("provenance", {}).get("commit")
+        if commit:
+            provenance.stamp(os.path.join(ROOT, rel), commit=commit)
+            done.append(f"{rel}: {commit}{' (stale)' if provenance.stale(rel) else ''}")
+    return done
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--check"]:
         problems = drift()
@@ -202,11 +214,15 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["measure-chunked-loss"]:
         measure_chunked_loss()
         argv = []
+    elif argv[:1] == ["rehash"]:
+        print("\n".join(rehash()))
+        return 0
     elif argv[:1] == ["backfill"]:
         print("\n".join(backfill()) or "every result has its provenance")
         return 0
     if argv:
-        print(f"tools.figures: expected no argument, --check, stamp FILE..., backfill or measure-chunked-loss; "
+        print(f"tools.figures: expected no argument, --check, stamp FILE..., backfill, rehash or "
+              "measure-chunked-loss; "
               f"found {argv}",
               file=sys.stderr)
         return 2
