@@ -142,6 +142,7 @@ def steps(tmp: str, gpus: int = 1) -> list[Step]:
 # ``--steps default,rerun`` runs the re-runs only with time to spare; a step left out, timed out or missing a module
 # says so in its record, never silently.
 # Test: tests/test_benchmarks.py::test_gpu_proof_default_group_fits_one_call
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §21
 GROUPS = {
     "default": ("max-seq-cuda", "tiled-layer-cuda", "host-sync-cuda", "ddp-overhead-cuda"),
     "rerun": ("cuda-tests", "offload-small", "tiled-mlp-cuda", "offload-gpu-bound", "validate-cuda"),

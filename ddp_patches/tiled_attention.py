@@ -63,6 +63,7 @@ REGISTRY.on_reset(forget)
 # Rule: AUTO_SHARDS shards (margin over 2), never shards under hidden_size tokens (untiled below 2 shards);
 # ``tiled_attention_shard_tokens`` is the user's explicit choice and is always honoured.
 # Test: tests/test_tiled_attention.py::test_auto_rule.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def auto_shards(rows: int, hidden: int) -> int:
     """Shards for a call of ``rows`` tokens (1: untiled). NOTE [Attention tiled by bytes]."""
     if hidden <= 0:
@@ -90,6 +91,7 @@ def shard_sizes(rows: int, hidden: int, shard_tokens: int | None) -> list[int]:
 # (no_grad, dropout off: tiled and untiled outputs agree, and each stand-in was used once as expected); else it runs
 # untiled with one log line saying why. A stand-in called otherwise later runs the real module.
 # Test: tests/test_tiled_attention.py::test_single_process_parity.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 class _Given:
     """Stands in for a projection inside the class's forward: ``value`` for ``expect`` (once), else the real
     module. As q_norm/k_norm's stand-in, ``expect`` is the projection's stand-in output, viewed per head."""
@@ -407,6 +409,7 @@ def _attention_forward(attn, original_forward: Callable, args: tuple, kwargs: di
 # each shard. Where nothing else reads the norm's output, its tiled node is never reached in backward; where
 # something does, that node gives its gradient, and a trainable norm weight gets one summed gradient.
 # Test: tests/test_tiled_attention.py::test_single_process_parity.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, forced: bool,
                   shard_tokens: int | None):
     attn = _norms.get(norm)
@@ -447,6 +450,7 @@ def _layers(model: torch.nn.Module):
 # input norm only if the layer that owns it names it ``input_layernorm`` beside it as ``self_attn``. There is no
 # list of families. A module named ``self_attn`` without the four (a fused qkv_proj) is logged once and left alone.
 # Test: tests/test_tiled_attention.py::test_unknown_attention_runs_untiled.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def discover(model: torch.nn.Module) -> list[str]:
     """Patch the forward of every attention class (and its input norm's class) in ``model``. Called for you where
     the tiled MLP's discovery runs (a transformers model built after apply(), a DDP built)."""
