@@ -19,6 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks import provenance  # noqa: E402
 from benchmarks._common import RESULTS, finish  # noqa: E402
 
 BENCHMARKS = ("ddp_overhead", "tiled_mlp", "tiled_layer", "scaling", "offload", "max_seq", "guard")
@@ -57,8 +58,17 @@ def readme_table(results_dir: str) -> list[str]:
         with open(path) as f:
             report = json.load(f)
         module = importlib.import_module(f"benchmarks.{name}")
-        lines += module.summarize(report)
+        mark = provenance.mark(f"benchmarks/results/{name}.json", report)
+        lines += [_marked(row, mark) for row in module.summarize(report)]
     return lines
+
+
+def _marked(row: str, mark: str) -> str:
+    """A stale result's row says so in its status cell: shown, not hidden."""
+    if not mark:
+        return row
+    head, status = row.rstrip().removesuffix("|").rsplit("|", 1)
+    return f"{head}| {status.strip()}; **{mark}** |"
 
 
 def update_readme(readme: str, table: list[str]) -> bool:

@@ -101,6 +101,10 @@ def write_report(name: str, report: dict, out_dir: str = RESULTS) -> str:
     path = os.path.join(out_dir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
+    from benchmarks import provenance
+
+    if f"benchmarks/results/{name}.json" in provenance.SOURCES:  # the commit and sources it was measured at
+        provenance.stamp(path, key=f"benchmarks/results/{name}.json")
     return path
 
 

@@ -215,6 +215,7 @@ APART_KEYS = ("ddp_finalize_in_settle", "settle_all_reduce")
 # ``_FireHooks.backward`` (the nested task's first node, before any of those DDP hooks) queues a final callback that
 # notes the time; the finalize, queued later, runs after it, and what the settle spends from that mark on is DDP's.
 # Test: tests/test_benchmarks.py::test_ddp_overhead_many_tensors_quick_keeps_earlier_rows_and_times_the_hooks
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §21
 
 
 class _HookTimers:

@@ -146,6 +146,7 @@ def steps(tmp: str, gpus: int = 1) -> list[Step]:
 # ``--steps default,rerun`` runs the re-runs only with time to spare; a step left out, timed out or missing a module
 # says so in its record, never silently.
 # Test: tests/test_benchmarks.py::test_gpu_proof_default_group_fits_one_call
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §21
 GROUPS = {
     "default": ("max-seq-cuda", "tiled-layer-cuda", "host-sync-cuda", "ddp-overhead-cuda"),
     "rerun": ("cuda-tests", "offload-small", "tiled-mlp-cuda", "offload-gpu-bound", "validate-cuda"),
@@ -507,8 +508,10 @@ def combine(older: dict | None, newer: dict) -> dict:
             if (e.get("date"), e.get("gpu")) in used]
     runs = [e for i, e in enumerate(runs) if (e.get("date"), e.get("gpu")) not in
             {(x.get("date"), x.get("gpu")) for x in runs[i + 1:]}]  # a later run of the same day and GPU wins
+    kept = {"provenance": older["provenance"]} if older and "provenance" in older else {}  # of steps without their own
     return {"environment": newer["environment"], "runs": runs, "dry_run": newer["dry_run"],
-            "steps": sorted(by_name.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else 99)}
+            "steps": sorted(by_name.values(), key=lambda r: order.index(r["name"]) if r["name"] in order else 99),
+            **kept}
 
 
 def write(proof: dict, out: str, readme: bool) -> None:
@@ -583,6 +586,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[gpu_proof] {step.name} ...", flush=True)
                 record = run_step(step, tmp, args.dry_run)
             record.update(date=env["date"], gpu=env.get("gpu"))
+            if not args.dry_run and record["status"] != "not run":  # each step is judged stale by its own sources
+                from benchmarks import provenance
+
+                record["provenance"] = provenance.record("docs/data/gpu-proof.json")
             print(f"[gpu_proof] {step.name}: {record['status']} -- {record['summary']}", flush=True)
             results.append(record)
     env["harness_s"] = round(time.monotonic() - started - sum(r.get("seconds") or 0 for r in results), 1)

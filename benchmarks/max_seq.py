@@ -186,6 +186,7 @@ class Prober:
     # cached free segments and retries). On CPU (no OOM, no cap) the judge is the larger rank's peak of live tensor
     # bytes from profiler allocation events during one step (``benchmarks._common.peak_bytes``).
     # Test: tests/test_benchmarks.py::test_max_seq_smoke_finds_a_length_on_each_side (the CPU judge); on CUDA the
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §21
     # GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py)
     def probe_cuda(self, seq: int) -> dict:
         import torch
@@ -224,6 +225,7 @@ class Prober:
     # probe fitted cannot be recovered safely: it is raised, the run fails loudly (torchrun ends the peer), and the
     # margin is the knob.
     # Test: the GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py); CPU probes have no OOM to test it with
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §21
     def local_step(self, ids) -> None:
         with self.ddp.no_sync():
             self.loss(ids).backward()
@@ -248,6 +250,7 @@ class Prober:
     # rank trains its own sequence, so the per-rank length is what one budget buys per process; the goals are
     # ratios between sides under the same budget.
     # Test: the GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py)
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §21
     def cap(self, nbytes: int) -> None:
         import torch
 

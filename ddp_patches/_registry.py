@@ -78,6 +78,7 @@ class PatchRegistry:
     # the deferred apply() runs with the environment's options, and only then the caller proceeds. revert() drops
     # what still waits.
     # Test: tests/test_api.py::test_a_deferred_apply_settles_first_and_revert_drops_it
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §3
     def defer(self, run: Callable[[], None], *targets: tuple[Any, str]) -> None:
         """Keep ``run`` for the next settle(); ``targets`` are the (owner, name) patches, installed by the caller,
         that wait for it: settle() puts their originals back first (NOTE [A deferred apply() settles first])."""
@@ -97,6 +98,7 @@ class PatchRegistry:
     # re-apply, an apply() that failed half-way -- calls every one. So api lists no module's internals, and a
     # module added later cannot be forgotten by it.
     # Test: tests/test_api.py::test_revert_forgets_every_modules_state
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §3
     def on_reset(self, forget: Callable[[], None]) -> None:
         """Call ``forget`` after every restore_all(): a module's state that must not outlive the patches."""
         self._resets[f"{forget.__module__}.{forget.__qualname__}"] = forget

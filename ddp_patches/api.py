@@ -187,6 +187,7 @@ def revert() -> list[str]:
 # would leave every live DDP unprotected, and its next step would fail ("finished reduction"). So a re-apply that
 # keeps reducer=True keeps them; revert() and a re-apply with reducer=False remove them.
 # Test: tests/test_api.py::test_reapply_keeps_live_ddps_protected
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §3
 def _revert(keep_instances: bool) -> list[str]:
     restored = REGISTRY.restore_all(keep_instances=keep_instances)  # NOTE [Each module forgets its own state]
     _state["report"] = None

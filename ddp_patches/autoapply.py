@@ -70,6 +70,7 @@ def options_from_env(environ: dict | None = None) -> dict:
 # calls apply() right after torch's own __init__ has run; every patch looks its targets up at call time, so
 # nothing is missed by waiting. This module imports only os, sys and types at module level, for the same reason.
 # Test: tests/test_autoapply.py::test_applies_after_torch_is_imported_with_the_options
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §3
 class _ApplyAfterTorchImport(AfterImport):
     """A ``sys.meta_path`` finder: run ``callback`` once torch's module body has executed (``_after_import``)."""
 
@@ -97,6 +98,7 @@ def apply_from_env() -> None:
 # (init_process_group, twice, and DDP.__init__) wait; the first one called settles: it puts back the originals and
 # applies before it hands the call on (NOTE [A deferred apply() settles first]).
 # Test: tests/test_autoapply.py::test_libraries_imported_before_torch_with_tiled_mlp
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §3
 def _import_in_progress() -> bool:
     """True while a module other than torch is still executing its body: we are inside someone's import."""
     for name, module in list(sys.modules.items()):
@@ -219,6 +221,7 @@ def environment(options: dict, log_level: str | None, environ: dict | None = Non
 # named in ``.deepspeed_env`` (or prefixed PYTHON, MV2, UCX...), where PYTHONPATH alone would leave the hook
 # silent, so ``--print-env dotenv`` writes that file's KEY=VALUE form.
 # Test: tests/test_autoapply.py::test_print_env_switches_every_process_of_a_launch
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §3
 def print_env(options: dict, log_level: str | None, form: str, environ: dict | None = None) -> str:
     """Every variable the switched processes read -- PYTHONPATH and each ``DDP_PATCHES_*``, also those already set
     here (a file for other nodes must hold them all) -- as shell exports (``sh``) or KEY=VALUE lines (``dotenv``)."""

@@ -50,6 +50,7 @@ _SWAP_LINE = {
 # runs). A function that checkpoints itself has started, so its inner calls swap as usual. With no ``__wrapped__``
 # to follow, the swap steps aside with one WARNING and the run goes on as unpatched.
 # Test: tests/test_checkpointing.py::test_a_checkpoint_wrapper_that_forces_reentrant.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §6
 class _Swapping(threading.local):
     pending = False  # the swap called checkpoint() and the checkpointed function has not started yet
 
@@ -105,6 +106,7 @@ def _say_forced_reentrant() -> None:
 # kwargs, ``use_reentrant=True``, ``checkpoint_sequential``); non-reentrant calls are untouched. Nothing is lost:
 # the reentrant path honours only ``preserve_rng_state``, which is passed on.
 # Test: tests/test_checkpointing.py::test_ddp_runs_non_reentrant_with_rng_preserved.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §6
 def _make_non_reentrant_under_ddp(original_cls: type) -> type:
     """Build the stand-in for ``CheckpointFunction``; it subclasses the original so type checks still hold."""
 
@@ -150,6 +152,7 @@ def _make_non_reentrant_under_ddp(original_cls: type) -> type:
 # Rule: neither outcome is a working pattern, so when DDP wraps a model whose config asks for router noise and
 # whose checkpointing does not preserve the RNG, this raises at once, naming the setting to change.
 # Test: tests/test_moe.py::test_router_jitter_without_preserved_rng_is_a_clear_error.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §17
 class RecomputeRoutingError(ValueError):
     """Checkpointing with preserve_rng_state=False on a model whose MoE router draws random numbers."""
 

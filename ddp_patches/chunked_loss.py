@@ -80,6 +80,7 @@ def chunk_sizes(rows: int, hidden: int, vocab: int, max_rows: int | None = None)
 # takes the same count), each of rows / chunks tokens. For Llama-3.1-8B (H 4096, V 128256): 32 chunks, 2048 tokens
 # each at 64K, whose float32 logits are 1.0 GiB against 31.3 GiB for the whole call.
 # Test: tests/test_chunked_loss.py::test_chunk_rule_and_peak_bytes.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.2
 
 
 # NOTE [One gradient per parameter, computed in forward]
@@ -93,6 +94,7 @@ def chunk_sizes(rows: int, hidden: int, vocab: int, max_rows: int | None = None)
 # (find_unused True/False, static_graph, no_sync and bucket views hold, as for the tiled MLP:
 # NOTE [Why the parameters are inputs of the Function]). A second-order backward through it raises.
 # Test: tests/test_chunked_loss.py::test_lora_on_lm_head_gradients_and_one_hook_each.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.2
 class ChunkedCrossEntropy(torch.autograd.Function):
     """``sum(cross_entropy(head(h2d[c]).float(), target[c], ignore_index, reduction="sum") for c in chunks)``.
     ``params``: exactly the trainable parameters ``head`` uses."""
@@ -199,6 +201,7 @@ class _Head:
 # per class; the known transforms are read from the config first, and never reach this). If the forward never
 # hands it to the loss, the real logits are computed and returned.
 # Test: tests/test_chunked_loss.py::test_a_forward_that_edits_the_logits_runs_unchunked.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.2
 class _Touched(Exception):
     pass
 
@@ -286,6 +289,7 @@ class _Call:
 # it is not reached: one INFO line; nor where TRL (SFT, DPO: its fused LM head) or Liger replaced the model's
 # forward and chunk themselves: one INFO line when DDP wraps such a model (``note_fused``).
 # Test: tests/test_chunked_loss.py::test_steps_aside_where_logits_are_read.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.2
 def _step_aside(key: str, level: int, why: str) -> None:
     log_rank0_once(f"chunked-{key}", level, "ddp_patches: chunked loss steps aside: %s (%s)", why, _SEE)
 
@@ -482,6 +486,7 @@ _MISSING = object()
 # PreTrainedModel.__init__ for the class being built; the instance must hold ``lm_head`` as its own child at call
 # time (PEFT's wrappers reach the model's forward, which is patched, through their own).
 # Test: tests/test_chunked_loss.py::test_vlm_language_model_chunks.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.2
 def _is_candidate_class(cls: type) -> bool:
     owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
     if owner is None or owner is torch.nn.Module:

@@ -47,6 +47,7 @@ NONE = "no engine"
 # Rule: each patch asks ``of_module`` / ``of_function`` at call time and acts only where ACTS_UNDER lists that
 # engine. Every cell of ACTS_UNDER is a test (docs/engines.md).
 # Test: tests/test_engines.py::test_fsdp2_says_once_what_steps_aside.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §14
 ACTS_UNDER: dict[str, tuple[str, ...]] = {
     "checkpointing": (DDP, ZERO12),
     "reducer": (DDP,),
@@ -106,6 +107,7 @@ _LABELS = {"checkpointing": "the checkpoint swap (use_reentrant=True -> False)",
 # values ... have different metadata").
 # Rule: the engine found in a forward is kept per module, and a call made while a backward runs reuses it.
 # Test: tests/test_tiled_mlp.py::test_parity_across_ddp_modes (its checkpointed modes).
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §14
 _decided: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 _last: dict[str, str | None] = {"engine": None}
 
@@ -156,6 +158,7 @@ def acting_as(engine: str) -> Iterator[None]:
 # DDP forward running, or a module that a live DDP wraps: DDP; a sharding registration: FSDP), and the
 # process-wide ZeRO-3 switch decides only where the module says nothing (no module, or one outside any wrapper).
 # Test: tests/test_engines.py::test_a_ddp_student_beside_a_zero3_teacher_is_ddps.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §14
 _owned_by_ddp: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -248,6 +251,7 @@ def ddp_forward_active() -> bool:
 # Rule: a detector that cannot read such state logs one WARNING line (once, rank 0) naming what raised, and answers
 # "not that engine".
 # Test: tests/test_engines.py::test_a_half_built_hf_deepspeed_config_is_not_zero3
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §14
 def deepspeed_zero3() -> bool:
     """transformers' own ZeRO-3 switch (an HfDeepSpeedConfig is alive); never imports transformers."""
     integration = sys.modules.get("transformers.integrations.deepspeed")
@@ -392,6 +396,7 @@ class _CompileNotice:
 # exists; otherwise the first patch that finds the process distributed registers it
 # (distributed.on_first_distributed).
 # Test: tests/test_api.py::test_apply_in_a_launched_process_without_a_group_does_not_import_dynamo.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §14
 def install_compile_notice() -> None:
     """Register the compile notice now where it can matter, else when the process first turns out distributed."""
     from . import distributed

@@ -62,6 +62,7 @@ _settings = _Settings()
 # What the count cannot see (a synced forward left unused, then a loss through ``.module``) is the replica check's.
 # Tests: tests/test_guard.py::test_loss_through_module_warns_at_the_first_step_on_every_rank and
 # tests/test_guard.py::test_correct_patterns_are_silent
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §8
 @dataclass(eq=False)
 class _Tracked:
     index: int
@@ -213,6 +214,7 @@ class _Written:
 # raises exactly then (DDP also records that text in its logging data, which nothing reads in training). A loop
 # through the wrapper never asks; a ``no_sync()`` micro-step asks once per backward and finds the reducer idle.
 # Test: tests/test_guard.py::test_accelerate_trigger_sync_in_backward_is_silent
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §8
 def _resolve(tracked: _Tracked, pids: list[int]) -> None:
     ddp = tracked.ddp()
     try:  # a DDP whose group was destroyed holds teardown's ReleasedReducer, which raises on any attribute
@@ -238,6 +240,7 @@ def _resolve(tracked: _Tracked, pids: list[int]) -> None:
 # post-hooks; a step that raised skips its post-hook, so a pre-hook of the very optimizer recorded as outermost
 # means that depth is stale and starts over.
 # Test: tests/test_guard.py::test_zero_redundancy_optimizer_is_silent
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §8
 _nesting = {"depth": 0, "outer": 0}
 
 
@@ -300,6 +303,7 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
 # rank rank 0) and compares bit for bit, no collective (NOTE [A store wait has a partner that will come]). Not
 # compared: never a verdict. Different: reported on every rank whose gradients differ, once per DDP.
 # Test: tests/test_guard.py::test_hand_averaging_left_out_later_is_reported
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §8
 def _gradients_differ(due: list[_Tracked], unsynced: dict[int, tuple[_Tracked, str]],
                       optimizer: torch.optim.Optimizer) -> list[_Tracked]:
     """The DDPs among ``due`` whose gradients on this rank differ from its partner's; every record this rank owes
@@ -385,6 +389,7 @@ def _report_unsynced(tracked: _Tracked, name: str) -> None:
 # its DDPs starts a new segment: the checks count from step 1 again, under the segment's keys, and the rank deletes
 # what it wrote in the old one (every peer is past it: Join's loop ends with an all-reduce every rank joined).
 # Test: tests/test_replica_check.py::test_join_then_steps_in_step_are_checked_again_and_a_drift_is_caught
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 def _watched(join: Any) -> list[_Tracked]:
     found = []
     for joinable in getattr(join, "_joinables", ()):

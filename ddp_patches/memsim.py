@@ -34,6 +34,7 @@ GiB = 1 << 30
 #     nothing: its CPU fold (float32 temporaries, results written in place) is not run (``_gpu_folds``).
 #   * the allocator: live bytes, not what a caching allocator reserves; ``plan`` keeps a margin for that.
 # Test: tests/test_memsim.py::test_calibration_offload_gpu_bound (against the H100 run in docs/data/gpu-proof.json).
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §13
 
 
 class LiveBytes(TorchDispatchMode):
@@ -672,6 +673,7 @@ _MODELS_KEPT = 8
 # input, is float32: twice the bytes a token. ``Features(kbit_prep=True)`` builds the model so and runs the step
 # under CPU autocast (bf16): the linear layers and attention compute in bf16 as on the GPU.
 # Test: tests/test_memsim.py::test_kbit_preparation_keeps_float32_hidden_states
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §13
 
 
 def _upcast_unquantised(model) -> None:
@@ -774,6 +776,7 @@ PROBE_LAYERS = (3, 4)  # the per-layer increment is measured between these (offl
 # peak is in a layer's recompute (at the LM head nothing is prefetched). Against 8 layers run whole: exact with the
 # peak at the head, 0.2% high in a recompute (the planner errs short).
 # Test: tests/test_memsim.py::test_pinned_cap_keeps_the_excess_on_the_device
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §13
 
 
 def simulate(config, seq: int, features: Features = Features(), *, lora_r: int = 16, layers: int | None = None,

@@ -163,6 +163,7 @@ FIT_LENGTHS = (16384, 32768)  # the two lengths the fast search fits the line th
 # ``--exact`` keeps the full search (to the resolution); both agree to 1024 tokens (small config, Llama-8B).
 # The setups run in two forked processes where the machine has two CPUs (``--jobs``), the costliest first.
 # Test: tests/test_memsim.py::test_fast_search_matches_the_exact_one
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §13
 
 
 class _Line:
@@ -315,6 +316,7 @@ DEFAULT_GPUS_PER_NODE = 8
 # longest under that, and prints the pinned bytes it needs and ``offload_max_pinned_bytes`` where the default cap
 # is smaller. Without --host-memory nothing caps the simulation, and every offload row names its explicit cap.
 # Test: tests/test_memsim.py::test_plan_names_the_pinned_cap_a_row_needs
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §13
 
 
 def pinned_limits(host: int | None, gpus_per_node: int) -> tuple[int | None, int | None]:

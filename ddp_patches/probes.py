@@ -52,6 +52,7 @@ _results: dict[str, tuple[str, str] | None] = {}
 # default patches' probes call the checkpoint function unwrapped and backpropagate without an explicit gradient,
 # so they import neither dynamo nor sympy; only offload's probe (a non-reentrant checkpoint) imports dynamo.
 # Test: tests/test_probes.py::test_a_renamed_internal_makes_one_patch_step_aside
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §18
 def verify(patch: str, assumptions: tuple[Assumption, ...], consequence: str) -> bool:
     """Run ``assumptions`` (once per process) for ``patch``; True when all hold. Otherwise log the one WARNING
     (NOTE [Probed assumptions]): ``consequence`` says what the run does without the patch."""
@@ -116,6 +117,7 @@ def _first_failure(assumptions: tuple[Assumption, ...]) -> tuple[str, str] | Non
 # __spec__ runs its body), the checks run on it, with grad mode, inference mode, the default device and autocast
 # reset around them. At the end of torch's import no user state can exist yet.
 # Test: tests/test_probes.py::test_apply_inside_an_import_does_not_hang
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §18
 def _inside_an_import() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
@@ -135,6 +137,7 @@ def _inside_an_import() -> bool:
 # none of them (NOTE [No probe thread inside an import] gives the one exception). Nothing process-wide is changed:
 # the default dtype is not touched, the probes give their tensors a dtype.
 # Test: tests/test_probes.py::test_the_callers_context_does_not_fail_a_probe
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §18
 def _run_checks(assumptions: tuple[Assumption, ...]) -> tuple[str, str] | None:
     for assumption in assumptions:
         try:

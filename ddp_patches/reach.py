@@ -45,6 +45,7 @@ _SETTLE_LOCK = threading.Lock()
 # and frees. The backward that leaves none pending settles; a dropped output takes no backward. A forward that
 # comes first logs one WARNING; DDP then raises, as without the library.
 # Test: tests/test_reach_backwards.py::test_several_backwards_of_one_forward_train_as_ddp_does.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 
 
 # NOTE [A backward after the reduction]
@@ -59,6 +60,7 @@ _SETTLE_LOCK = threading.Lock()
 # A backward that keeps its graph and skips parameters (``backward(inputs=...)``) fires none of them: the stage
 # after it is no backward after the reduction (NOTE [Only a backward that accumulates]).
 # Test: tests/test_reach_backwards.py::test_the_same_loss_backward_twice_raises_as_without_the_library.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 class _BackwardStart(torch.autograd.Function):
     """Identity on one output; its backward (the first node of any backward through it) queues ``_settle``."""
 
@@ -103,6 +105,7 @@ class _FireHooks(torch.autograd.Function):
 # backward fires only what is left. Where a parameter fired late here but not on every rank while another
 # collective ran on the group in this backward, the rank raises before any optimizer step, naming the fixes.
 # Test: tests/test_reach_order.py::test_two_ddps_on_one_group_train_exactly.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 _NO_NESTED_BACKWARD = frozenset({
     "torch.nn.parallel.distributed._DDPSink", "torch.utils.hooks.BackwardHookFunction",
     "torch.nn.modules._functions.SyncBatchNorm", "torch.nn.modules._functions.CrossMapLRN2d",
@@ -164,6 +167,7 @@ def walk_graph(nodes: list) -> GraphFacts:
 # graph holds such a node and the walk is skipped; otherwise (or where the watch is off) it runs as before. A node
 # made before apply() is not seen: apply() comes before the DDP is built.
 # Test: tests/test_reach_order.py::test_a_late_fire_among_collectives_fails_loudly.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 _NODES_TO_WALK: weakref.WeakSet = weakref.WeakSet()
 _NODE_KINDS: dict[type, bool] = {}  # node type -> whether its Function may nest a backward or communicate
 _watching = [False]
@@ -256,6 +260,7 @@ def _index_tensor(indices: list, device) -> torch.Tensor:
 # the fire must carry a zero that AccumulateGrad writes: NOTE [Static graph needs a defined zero]), the nested
 # backward through ``_FireHooks`` stays.
 # Test: tests/test_reach_protocol.py::test_join_with_a_branch_idle_on_some_ranks_matches_a_single_process.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 def _reducer_index(ddp: nn.Module, params: list) -> list[int] | None:
     """Each of ``params``' place in the reducer's list, or None where the direct call cannot be used."""
     reducer, build = getattr(ddp, "reducer", None), getattr(ddp, "_build_params_for_reducer", None)
@@ -278,6 +283,7 @@ def _reducer_index(ddp: nn.Module, params: list) -> list[int] | None:
 # ``static_graph`` is read when the backward ends, not when the DDP was built: ``ddp._set_static_graph()`` after
 # construction is common ("to allow checkpointing").
 # Test: tests/test_reach.py::test_static_graph_set_after_construction_is_correct.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 
 
 def needed(ddp: nn.Module) -> bool:
@@ -299,6 +305,7 @@ def needed(ddp: nn.Module) -> bool:
 # reducer.cpp allows) or with a defined zero under static graph: the average over ranks is what
 # find_unused_parameters=True gives. Where it fires: NOTE [Unused parameters marked where DDP marks them].
 # Test: tests/test_reach.py::test_a_layer_that_runs_and_feeds_nothing_trains_with_ddp_defaults.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 class UnusedParameterEdges:
     """Per DDP instance: make each trainable parameter's hook fire once per synced backward."""
 
@@ -649,6 +656,7 @@ class UnusedParameterEdges:
     # gradient before ``_settle`` fired it; where that count is the world size, ``.grad`` is set back to None.
     # When it runs: NOTE [One collective per reduction, on every rank].
     # Test: tests/test_reach.py::test_unused_everywhere_ends_with_grad_none_and_adamw_matches_find_unused.
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
     def _reset_unused_everywhere(self, ddp: nn.Module, no_grad: list[int], late: list[int] = (),
                                  context: str | None = None) -> None:
         """NOTE [Unused everywhere ends with grad None]; read back only where this rank had a parameter without
@@ -723,6 +731,7 @@ class UnusedParameterEdges:
 # join hook has shadowed the bucket all-reduces, when the peers synchronise (``_JoinShadow``). The reduced counts
 # are read back on the host only by a rank that had a parameter without a gradient.
 # Test: tests/test_reach_protocol.py::test_join_with_no_sync_around_the_forward_or_the_backward_only.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 def _reducer_prepared(ddp: nn.Module) -> bool:
     """Whether the last forward prepared DDP's reducer for a reduction (``require_forward_param_sync``)."""
     return bool(getattr(ddp, "require_forward_param_sync", ddp.require_backward_grad_sync))
@@ -742,7 +751,7 @@ def _reducer_prepared(ddp: nn.Module) -> bool:
 # leaves those it skips (below an output it ran through, not run) to a later backward through the same outputs
 # (NOTE [Several backwards of one forward]); the last stage fires what none reached. Freeing it, it is taken as a
 # full backward (the others are fired).
-# Test: tests/test_reach_backwards.py::test_backward_with_inputs_in_two_stages_trains_as_ddp_does.
+# Test: tests/test_reach_backwards.py::test_backward_with_inputs_in_two_stages_trains_as_ddp_does.; Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 def _live(starts: list) -> list:
     """The start nodes still alive in ``starts`` (per forward, a tuple of weak references)."""
     return [node for refs in starts for node in (ref() for ref in refs) if node is not None]
@@ -860,6 +869,7 @@ def _patched_join_hook(original_join_hook):
 # collectives, but setting ``.grad = None`` before the write-back would be undone by it: so the reset waits for
 # ``finalize_backward()`` (wrapped on the class), or runs at the end of the backward when a hook already called it.
 # Test: tests/test_reach_protocol.py::test_torch_2_15_ddp_options_with_a_parameter_no_rank_used.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 def _patched_finalize_backward(original_finalize_backward):
     def finalize_backward(self):
         original_finalize_backward(self)
@@ -899,6 +909,7 @@ def _is_graph_output(t: Any) -> bool:
 # ModelOutput), and a dataclass leaf is looked into field by field (in place: its fields are what the caller
 # reads; a frozen one too).
 # Test: tests/test_reach.py::test_dataclass_outputs_are_rescued.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 def map_tensors(output: Any, select: Callable[[Any], bool], apply: Callable[[list], tuple]) -> Any:
     """Replace the tensors ``select`` picks in ``output`` with ``apply(all of them)``'s results, in order."""
     slots: list[tuple[Any, ...]] = []  # ("leaf", index) or ("field", obj, name)

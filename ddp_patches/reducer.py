@@ -36,6 +36,7 @@ _REPORTED = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"
 # every step pays an extra all-reduce and loses the bucket rebuild. With non-reentrant checkpointing
 # (ddp_patches.checkpointing) both values of the flag and static_graph train.
 # Test: tests/test_reach.py::test_ddp_settings_are_passed_through_untouched
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §4
 def _patched_ddp_init(original_init):
     def __init__(self, *args, **kwargs):
         module = args[0] if args else kwargs.get("module")
@@ -90,6 +91,7 @@ def _log_settings(ddp: DDP, edges: bool) -> None:
 # averaged early (identical on every rank), and the later synced backward averages (that average + each rank's
 # remaining local sum) to the same total. Cost: one extra all-reduce, in the first optimizer step only.
 # Test: tests/test_reducer.py::test_no_sync_is_synced_only_for_the_first_static_graph_backward
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §4
 def _needs_synced_first_backward(ddp: DDP) -> bool:
     return bool(getattr(ddp, "static_graph", False)) and not getattr(
         ddp, "_static_graph_delay_allreduce_enqueued", True

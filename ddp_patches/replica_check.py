@@ -41,6 +41,7 @@ class ReplicaDivergenceError(RuntimeError):
 # through ``.module``), then before every ``replica_check_every``-th.
 # Tests: tests/test_guard.py::test_replica_check_names_a_perturbed_parameter_within_n_steps and
 # tests/test_guard.py::test_zero_redundancy_optimizer_is_silent
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 def due(step: int, every: int) -> bool:
     return (step <= 2 or step % every == 0) if every else False
 
@@ -59,6 +60,7 @@ def due(step: int, every: int) -> bool:
 # torch that moves or renames a hook fails safe (not vouched).
 # Tests: tests/test_replica_check.py::test_local_sgd_trains_as_without_the_library_and_the_check_steps_aside and
 # tests/test_replica_check.py::test_hooks_that_keep_replicas_equal_keep_the_check_and_it_stays_silent
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 _HOOKS = "torch.distributed.algorithms.ddp_comm_hooks."
 _BUILTIN_HOOKS = ("BuiltinCommHookType.ALLREDUCE", "BuiltinCommHookType.FP16_COMPRESS")
 # hook -> where it takes its process group from: its state ("state"), the state's process_group ("process_group"),
@@ -277,6 +279,7 @@ def new_segment(tracked: Any, *, forget: bool) -> None:
 # that skips a step its peers take after a synchronised backward, or stops without Join in a loop of (3)'s second
 # kind, is not waited for longer than REPLICA_CHECK_TIMEOUT_S, once per segment, said in a WARNING.
 # Test: tests/test_replica_check.py::test_join_with_uneven_inputs_trains_as_without_the_library_with_no_wait
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 def read_partner(store: Any, tracked: Any, key: str, partner: int, what: str,
                  timeout_s: float | None = None) -> bytes | None:
     """The partner's record under ``key``, or None where it is not compared
@@ -331,6 +334,7 @@ def _peek(store: Any, key: str) -> bytes | None:
 # differs logs the ERROR naming itself and rank 0 (raises with on_unsynced="raise"). A check rank 0 does not
 # reach is skipped: at once where nothing ties this step to rank 0's, after REPLICA_CHECK_TIMEOUT_S otherwise.
 # Test: tests/test_guard.py::test_no_hang_when_one_rank_skips_the_check
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 def check_replicas(tracked: Any, *, every: int = 1, on_divergence: str = "warn",
                    timeout_s: float | None = None) -> bool | None:
     """Compare this rank's fingerprint with its DDP group's rank 0; True: same, False: differs, None: skipped.

@@ -67,6 +67,7 @@ BUFFER_BROADCAST = _destroyed(
 # would hand C++ a None group (a segfault): on the instance it becomes a clear error. A new DDP on the same module
 # retires the stand-in's hooks (``track``).
 # Test: tests/test_teardown.py::test_evaluation_and_input_gradients_after_destroy_match_the_unpatched_run.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §10
 class ReleasedReducer:
     """Stands in for ``DistributedDataParallel.reducer`` and ``.logger`` once their process group was destroyed:
     answers what a forward asks without a collective, and refuses a backward DDP would all-reduce
@@ -188,6 +189,7 @@ def track(ddp: nn.Module) -> None:
 # is freed afterwards, through its GIL-releasing handle. NOTE [A DDP after its group was destroyed] says what the
 # DDP can then still do.
 # Test: tests/test_reducer.py::test_destroying_the_group_releases_the_reducer_first.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §10
 def release(ddp: nn.Module) -> None:
     """Free the reducer while its group is referenced elsewhere, then drop the DDP's own group reference.
 
@@ -214,6 +216,7 @@ def release(ddp: nn.Module) -> None:
 # destroyed group). Not covered, as without the library: an instance holding the group itself (a live
 # ZeroRedundancyOptimizer's ``self.process_group``); NOTE [A pause at exit] covers what is left.
 # Test: tests/test_reducer.py::test_destroyed_default_group_is_freed_not_kept_by_default_arguments.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §10
 GROUP_DEFAULT_MODULES = ("torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
                          "torch.distributed.fsdp.sharded_grad_scaler")
 
@@ -273,6 +276,7 @@ def _uses(ddp: nn.Module, group) -> bool:
 # the on-first callbacks (a dynamo import) that a script shutting down must not pay. It cannot help a collective
 # still running at exit (async_op=True, never waited).
 # Test: tests/test_reducer.py::test_a_finished_collective_does_not_abort_the_exit.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §10
 EXIT_PAUSE_S = 0.1
 
 
@@ -303,6 +307,7 @@ class _AtExit:
 # EXIT_PAUSE_S (the workers finish freeing meanwhile), as the pause at exit does; apply()'s report names it. A
 # pause, not a proof: a worker descheduled for longer can still deadlock, as without the library.
 # Test: tests/test_reducer.py::test_teardown_pauses_before_freeing_a_group_where_its_destructor_holds_the_gil.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §10
 def _patched_destroy_process_group(original):
     def destroy_process_group(group=None, *args, **kwargs):
         if world_is_distributed():

@@ -69,6 +69,7 @@ REGISTRY.on_reset(forget)
 # Rule: AUTO_SHARDS shards (margin over 2), never shards under hidden_size tokens (untiled below 2 shards);
 # ``tiled_attention_shard_tokens`` is the user's explicit choice and is always honoured.
 # Test: tests/test_tiled_attention.py::test_auto_rule.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def auto_shards(rows: int, hidden: int) -> int:
     """Shards for a call of ``rows`` tokens (1: untiled). NOTE [Attention tiled by bytes]."""
     if hidden <= 0:
@@ -96,6 +97,7 @@ def shard_sizes(rows: int, hidden: int, shard_tokens: int | None) -> list[int]:
 # (no_grad, dropout off: tiled and untiled outputs agree, and each stand-in was used once as expected); else it runs
 # untiled with one log line saying why. A stand-in called otherwise later runs the real module.
 # Test: tests/test_tiled_attention.py::test_single_process_parity.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 class _Given:
     """Stands in for a projection inside the class's forward: ``value`` for ``expect`` (once), else the real
     module. As q_norm/k_norm's stand-in, ``expect`` is the projection's stand-in output, viewed per head."""
@@ -167,6 +169,7 @@ def _in_shard(fn: Callable) -> Callable:
 # backwards read no value, so every gradient is the real matmul's. Under autocast, or where x and W differ in
 # dtype, the real linear runs. o_proj's replay does the same.
 # Test: tests/test_tiled_attention.py::test_projection_forwards_under_checkpointing.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 class _FrozenLinear(torch.autograd.Function):
     """``F.linear(x, weight, bias)``'s graph without its value (NOTE [The replay skips the frozen matmul])."""
 
@@ -483,6 +486,7 @@ def _attention_forward(attn, original_forward: Callable, args: tuple, kwargs: di
 # each shard. Where nothing else reads the norm's output, its tiled node is never reached in backward; where
 # something does, that node gives its gradient, and a trainable norm weight gets one summed gradient.
 # Test: tests/test_tiled_attention.py::test_single_process_parity.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, forced: bool,
                   shard_tokens: int | None):
     attn = _norms.get(norm)
@@ -516,6 +520,7 @@ def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, f
 # ``apply_tiled`` in the attention's shards once its class proved row-wise (4 rows whole and split in two agree);
 # otherwise untiled. The value and every gradient are the untiled ones (row by row).
 # Test: tests/test_tiled_attention.py::test_the_other_norms_are_tiled.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def _not_rowwise(norm: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> bool:
     cls = type(norm)
     if cls not in _rowwise:
@@ -578,6 +583,7 @@ def _layers(model: torch.nn.Module):
 # input norm only if the layer that owns it names it ``input_layernorm`` beside it as ``self_attn``. There is no
 # list of families. A module named ``self_attn`` without the four (a fused qkv_proj) is logged once and left alone.
 # Test: tests/test_tiled_attention.py::test_unknown_attention_runs_untiled.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def discover(model: torch.nn.Module) -> list[str]:
     """Patch the forward of every attention class (and its input norm's class) in ``model``. Called for you where
     the tiled MLP's discovery runs (a transformers model built after apply(), a DDP built)."""

@@ -90,6 +90,7 @@ def auto_shards(rows: int, hidden: int, intermediate: int) -> int:
 # grad, an empty leaf that does (``anchor``) makes the identity a node at all. Where something after the MLP saves
 # (Gemma's post-feedforward norm) or early stop is off, the recompute runs the tiled forward, as it must.
 # Test: tests/test_tiled_mlp_recompute.py::test_tiled_mlp_runs_no_extra_forward_in_the_recompute.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 class SaveMLPInput(torch.autograd.Function):
     """``x2d -> x2d`` (a view) that saves ``x2d`` for the TiledMLPFunction applied to its output, which reads it
     from this node in its backward. NOTE [Recompute ends before the tiled forward]. ``read``: the MLP's parameters,
@@ -123,6 +124,7 @@ class SaveMLPInput(torch.autograd.Function):
 # find_unused True/False, static_graph (one node, whatever the shard count), bucket views and no_sync all hold,
 # and a frozen MLP input still gives LoRA gradients.
 # Test: tests/test_tiled_mlp.py::test_each_ddp_hook_fires_once_per_backward.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 class TiledMLPFunction(torch.autograd.Function):
     """``out = cat(forward_fn(shard) for shard in x2d.split(rows))`` with the backward of
     NOTE [Why the parameters are inputs of the Function]. ``params`` are exactly the trainable parameters
@@ -196,6 +198,7 @@ def _unused_as_untiled(ctx, grads: list, wanted: list[int]) -> list:
 # autocast state, and calls the class's original ``forward``: nothing about the MLP is re-implemented, so it is
 # exact for every family (gelu or silu, bias or not, PEFT and bitsandbytes layers inside).
 # Test: tests/test_tiled_mlp.py::test_dropout_masks_are_replayed.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 def _shard_grads(ctx, shard: torch.Tensor, g_shard: torch.Tensor, rng: tuple, want_x: bool, wanted: list[int],
                  create_graph: bool) -> tuple:
     """One shard's forward replayed (its RNG and autocast state) and its gradients: wrt ``shard`` when
@@ -217,6 +220,7 @@ def _shard_grads(ctx, shard: torch.Tensor, g_shard: torch.Tensor, rng: tuple, wa
 # ``create_graph``, and the pieces are joined out of place. It keeps each shard's graph, as untiled keeps the whole
 # call's (the untiled memory, for the untiled gradients); the first-order path is unchanged.
 # Test: tests/test_tiled_mlp.py::test_double_backward_through_tiled_mlp_matches_untiled.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 def _differentiable_grads(ctx, x2d: torch.Tensor, grad_out: torch.Tensor, want_x: bool, wanted: list[int]) -> list:
     """[dx, *param grads] of a backward under ``create_graph=True``, each recorded by autograd."""
     dx_parts, grads = [], [None] * len(ctx.params)
@@ -259,6 +263,7 @@ def apply_tiled(forward_fn: Callable, rows: list[int], x2d: torch.Tensor, params
 # ``parametrize.cached()`` a parametrized weight would be computed once, inside the no_grad forward: such a call
 # runs untiled with one WARNING line.
 # Test: tests/test_tiled_mlp_replay.py::test_functional_call_with_substituted_parameters_is_exact.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 def _slots(module: torch.nn.Module) -> tuple:
     """(slot dict, name, tensor, is a parameter) for every parameter and buffer ``module`` and its submodules
     hold now: what its forward reads (NOTE [The replay reads what the forward read]). A walk of the dicts
@@ -391,6 +396,7 @@ def _cached_parametrization(module: torch.nn.Module) -> bool:
 # module's parameter) is found per instance, at its first tiled call, by one forward of 2 rows with grad, and
 # leaves that instance untiled.
 # Test: tests/test_tiled_mlp_hooks.py::test_a_hooked_mlp_runs_untiled_with_exact_gradients.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 OUTSIDE = "a trainable tensor from outside its parameters"
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -440,6 +446,7 @@ def _hook_problem(module: torch.nn.Module, params: tuple) -> str | None:
 # For Llama-8B (H 4096, I 14336): 2 shards at 8K tokens, 8 at 32K, 18 from 72K on. ``tiled_mlp_shard_tokens`` is
 # the user's explicit choice and is always honoured.
 # Test: tests/test_tiled_mlp.py::test_auto_rule_shards_by_bytes.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 def _intermediate(module: torch.nn.Module, x: torch.Tensor) -> int:
     """gate_proj's output features: ``out_features`` of an nn.Linear, a PEFT LoRA layer or a bitsandbytes layer;
     else measured once on one token (cached per module)."""
@@ -466,6 +473,7 @@ def _intermediate(module: torch.nn.Module, x: torch.Tensor) -> int:
 # a transformers model finishes ``post_init`` (FSDP2 and DeepSpeed never call DDP's __init__), and when DDP wraps
 # a module.
 # Test: tests/test_tiled_mlp.py::test_mlps_found_by_structure_and_probed.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 def _verdict(module: torch.nn.Module, x: torch.Tensor, original_forward: Callable) -> str | None:
     cls = type(module)
     if cls not in _verdicts:

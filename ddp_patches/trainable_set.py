@@ -35,6 +35,7 @@ class TrainableParametersChangedError(RuntimeError):
 # the setting that copes. The unused-parameter rescue (ddp_patches/reach.py) does not fire a frozen parameter's
 # hook: that would make a failing configuration train behind the user's setting.
 # Test: tests/test_trainable_set.py::test_freezing_with_a_reducer_that_waits_is_a_clear_error_at_the_backward
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §5
 class TrainableGuard:
     """Hooks on one DDP instance: the trainable set against the one the reducer was built with."""
 
@@ -128,6 +129,7 @@ def _waiting_line(ddp: DDP) -> str:
 # to the name it already has (Switch Transformers' router, every forward), or a listed module registered into another
 # container (Llama's ``self.layers[:n]`` builds a new ModuleList every forward) brings nothing new and does not count.
 # Test: tests/test_reducer.py::test_trainable_set_change_is_a_clear_error (cost: benchmarks/ddp_overhead.py
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §5
 # --config many-tensors)
 _registrations = [0]  # bumped by torch's global module/parameter registration hooks while the reducer patch is on
 _listed: weakref.WeakSet = weakref.WeakSet()  # the modules of every tree listed since (their parameters are known)

@@ -32,6 +32,7 @@ TARGETS = (f"{ENGINE_MODULE}.DeepSpeedEngine.__init__", f"{ENGINE_MODULE}.DeepSp
 # runs are recorded at its construction (patched when deepspeed.runtime.engine is imported), its forward marks it
 # as running (a checkpointed closure names no module), and the stage is read from the live engine.
 # Test: tests/test_zero.py::test_a_weight_in_two_reentrant_checkpoints_trains_under_zero.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §15
 _owner: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 

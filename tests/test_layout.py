@@ -243,6 +243,15 @@ def test_the_note_test_check_sees_a_missing_test():
     assert _unproven("# Test: the GPU proof's ``max-seq-cuda`` step (benchmarks/gpu_proof.py)") == []
 
 
+def test_every_note_names_its_section_and_every_section_lists_its_notes():
+    """Each NOTE in the code names the design document's section that explains it (a ``# Design:`` line), and that
+    section's ``NOTEs:`` line lists it (``python -m tools.note_sections --check``; ``--write`` fixes the code)."""
+    from tools import note_sections
+
+    problems = note_sections.problems()
+    assert not problems, "NOTEs and design sections disagree:\n  " + "\n  ".join(problems)
+
+
 # -- what the repository cites -------------------------------------------------------------------------------------
 INTERNAL = re.compile(r"\b(?:[Ii]ssues? #?\d+\b|[Ii]tems? \d+(?:, \d+)* of issue|round \d+ of|\.\./shared/|shared/"
                       r"(?:FACTS|USER_REPORTS)|FACTS\.md|USER_REPORTS\.md)")
@@ -324,3 +333,33 @@ def test_module_docstrings_say_what_the_module_does_in_a_few_lines():
                     isinstance(first.value.value, str) and first.end_lineno - first.lineno + 1 > 12:
                 long.append(f"{_rel(path)}: {first.end_lineno - first.lineno + 1} lines")
     assert not long, "module docstrings over 12 lines:\n  " + "\n  ".join(long)
+
+
+def test_note_sections_write_places_the_design_line_and_follows_a_move(tmp_path, monkeypatch):
+    """--write on a small tree: the line goes after the ``# Test:`` line (after a list of tests over lines), on the
+    last line of a block already at 15 lines; a second run changes nothing; a NOTE moved to another section's list
+    gets its line rewritten; a NOTE listed nowhere is reported."""
+    from tools import note_sections
+
+    doc = "## 1. One\n\nNOTEs: NOTE [Short], NOTE [Listed tests].\n\n## 2. Two\n\nNOTEs: NOTE [Full].\n"
+    full = ["# NOTE [Full]"] + [f"# line {i}" for i in range(13)] + ["# Test: tests/x.py::test_full"]
+    code = "\n".join(["# NOTE [Short]", "# Rule: short.", "# Test: tests/x.py::test_short", "x = 1", "",
+                      "# NOTE [Listed tests]", "# Rule: two tests.", "# Tests: tests/x.py::test_a and",
+                      "# tests/x.py::test_b", "y = 2", "", *full, "z = 3"]) + "\n"
+    (tmp_path / note_sections.DOC).write_text(doc)
+    (tmp_path / "m.py").write_text(code)
+    monkeypatch.setattr(note_sections, "ROOT", str(tmp_path))
+    assert len(note_sections.problems()) == 3
+    note_sections.write()
+    lines = (tmp_path / "m.py").read_text().splitlines()
+    ref = f"Design: {note_sections.DOC}"
+    assert lines[3] == f"# {ref} §1" and lines[9:11] == ["# tests/x.py::test_b", f"# {ref} §1"]
+    assert lines[-2] == f"# Test: tests/x.py::test_full; {ref} §2" and note_sections.problems() == []
+    assert note_sections.write() == 0
+    (tmp_path / note_sections.DOC).write_text(doc.replace("NOTE [Short], ", "").replace("NOTE [Full].",
+                                                                                          "NOTE [Full], NOTE [Short]."))
+    note_sections.write()
+    assert (tmp_path / "m.py").read_text().splitlines()[3] == f"# {ref} §2" and note_sections.problems() == []
+    (tmp_path / note_sections.DOC).write_text(doc.replace("NOTE [Short], ", ""))
+    (tmp_path / "m.py").write_text(code)
+    assert any("listed in no section" in p for p in note_sections.problems())

@@ -71,6 +71,7 @@ class Lane:
 # name, with the reason, in OLDEST_LEFT_OUT / OLDEST_TESTS_LEFT_OUT, never skipped silently; the rendered table
 # lists each. Tests: tests/test_lanes.py::test_every_lane_is_recorded_and_passed,
 # ::test_pyproject_claims_exactly_the_tested_range, ::test_docs_block_is_the_committed_lanes_rendered.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §18
 OLDEST_LEFT_OUT = {
     "raw-offload-stack": "offload needs torch >= 2.8 (the saved-tensor hook stack)",
     "fsdp2-offload": "offload needs torch >= 2.8; FSDP2's public fully_shard needs torch >= 2.6",
@@ -110,6 +111,7 @@ NEWEST_TESTS = CORE_TESTS + ("tests/test_trainers.py", "tests/test_offload_compo
 # for whatever is newest that day (no pins): it is run by hand, not by CI, and its row says on which date and with
 # which versions it last passed. When floating passes on versions newer than newest's pins, those become newest's
 # pins. Tests: tests/test_lanes.py::test_ci_runs_every_lane, ::test_every_lane_is_recorded_and_passed.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §18
 FLOATING = "floating"  # not run by CI; any versions
 
 
@@ -120,6 +122,7 @@ FLOATING = "floating"  # not run by CI; any versions
 # recorded like the others, with the tool's version in its row; it is run by hand, not by .ci/run (ci=False), as
 # long as its install and tests cost more than CI has left.
 # Tests: tests/test_lanes.py::test_ci_runs_every_lane, ::test_every_lane_is_recorded_and_passed.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §18
 LIGHTNING_SCENARIOS = "raw-static-graph-accum"  # the reducer failure casanovo#512 meets under Lightning
 
 
@@ -164,6 +167,7 @@ def _sh(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 # .ci/lanes/, passed with ``-c``; one line says what was overridden. Where the override does not take (a
 # PIP_CONSTRAINT variable or a PIP_CONFIG_FILE that wins over the venv), the lane stops with the origin named.
 # Test: tests/test_lanes.py::test_a_lane_venv_clears_a_machine_wide_constraint.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §18
 def clear_machine_constraint(lane: str, venv: str) -> str | None:
     """Give ``venv`` a pip.conf that clears a machine-wide ``constraint``; returns what it overrode, or None where
     pip had no constraint configured. NOTE [A lane's pins beat the machine's cap]"""

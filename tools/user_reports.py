@@ -194,6 +194,7 @@ def _versions() -> dict:
 # ``{trl}``, the test compares rows without versions, and the page shows the versions the battery was recorded on
 # (the file's "versions"), filled in here.
 # Tests: tests/test_user_reports.py::test_trl_921_sft_qlora_kbit, ::test_peft_899_modules_to_save and
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §19
 # ::test_llamafactory_3102_moe_top1 (rows with a placeholder); ::test_docs_block_is_the_committed_battery_rendered.
 def version_placeholder(package: str) -> str:
     return "{" + package + "}"

@@ -14,6 +14,7 @@ or the system's, further on the path) is imported right after, in every interpre
 # chains the next sitecustomize on the path with its own code, since the library may be missing. Any other error
 # -- in ddp_patches, or in the sitecustomize it chains -- is shown, as Python shows it.
 # Test: tests/test_bootstrap_children.py::test_a_child_of_another_interpreter_is_silent_and_runs_the_shadowed_sitecustomize.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §3
 
 import os
 import sys

@@ -48,7 +48,7 @@ class SyncCopier:
 # handle until autograd frees it: a shared input crosses the bus once each way per step. Without CUDA,
 # ``SyncCopier`` copies in order into ordinary host memory; ``non_blocking`` never meets pageable memory.
 # Tests: tests/test_offload_cuda.py::test_race_stress_fails_when_a_stream_dependency_is_removed and
-# tests/test_offload_cuda.py::test_device_memory_released_while_the_cpu_runs_ahead
+# tests/test_offload_cuda.py::test_device_memory_released_while_the_cpu_runs_ahead; Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 class StreamCopier(SyncCopier):
     """Asynchronous copies on one side stream per CUDA device; tensors on other devices (the CPU-path tests, run
     on a GPU host) are copied in order, as by ``SyncCopier``.

@@ -55,6 +55,7 @@ _SyncCopier, _StreamCopier = SyncCopier, StreamCopier
 # and holds no device memory; unpack compares it with the version at pack and raises autograd's error, for inputs
 # kept on the device too.
 # Test: tests/test_offload_lifecycle.py::test_inplace_edit_after_pack_raises_autograds_error
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 class _Kept:
     """A checkpoint input left on the device, with the version it had when packed."""
 
@@ -233,6 +234,7 @@ class CheckpointInputOffloader:
     # backward first asks for it: served from the device, with no copy in.
     # Tests: tests/test_offload.py::test_keep_reason_rules and
     # tests/test_offload_lifecycle.py::test_a_view_of_a_live_tensor_is_moved_but_never_counted_as_freed
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
     def pack(self, t: torch.Tensor):
         if _in_backward():
             return t  # a recomputed tensor: never re-packed
@@ -324,6 +326,7 @@ class CheckpointInputOffloader:
     # autograd runs each device's nodes on a thread of its own, so unpacks of two devices can run at once: unpack
     # holds a lock around the restorer's bookkeeping (uncontended on one device).
     # Test: tests/test_offload_lifecycle.py::test_copies_and_buffers_are_kept_per_device
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
     def unpack(self, packed):
         self.window.unpacked = True
         if isinstance(packed, _Kept):
@@ -396,6 +399,7 @@ def _typed_view(buf: torch.Tensor, h: _Offloaded) -> torch.Tensor:
 # acts. The checkpoint swap runs inside the outer context (it is entered before CheckpointFunction.apply), so a
 # swapped checkpoint keeps it.
 # Test: tests/test_offload_outer.py::test_one_offload_acts_and_gradients_equal_no_offload
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §16
 SAVE_ON_CPU_PACK = "save_on_cpu.__init__.<locals>.pack_to_cpu"
 
 
@@ -465,6 +469,7 @@ def use_offloader(offloader: CheckpointInputOffloader) -> Iterator[CheckpointInp
 # Push nothing when another saved-tensor hook is on top (an outer checkpoint, whose frame owns nested inputs; the
 # user's ``save_on_cpu``; a backward's recompute), and let ``pack`` return its input untouched during a backward.
 # Tests: tests/test_offload.py::test_inert_during_backward_and_inside_an_outer_checkpoint and the ``outer-hook``
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 # probe (tests/test_probes.py::test_every_assumption_holds_on_this_torch)
 def _make_offloading_generator(original):
     def _checkpoint_without_reentrant_generator(fn, *args, **kwargs):
@@ -515,6 +520,7 @@ def install(*, explicit: bool, min_bytes: int, max_pinned_bytes: int | None,
 # Rule: apply() also wraps that module's copy when the module is already imported; one imported later binds the
 # wrapped global of torch.utils.checkpoint by itself.
 # Test: tests/test_offload_composable.py::test_composable_checkpoint_imported_before_apply_is_offloaded
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 BOUND_COPIES = ("torch.distributed._composable.checkpoint_activation",)
 
 

@@ -67,6 +67,7 @@ def default_cap_bytes(cgroup_files: tuple[str, ...] = _CGROUP_FILES) -> int:
 # free lists are per device (NOTE [Several devices]).
 # Tests: tests/test_pinned_pool.py::test_refuses_beyond_the_cap_and_never_exceeds_it and
 # tests/test_pinned_pool.py::test_varying_lengths_reuse_instead_of_allocating
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 class PinnedBufferPool:
     """Byte buffers (uint8, 1-D, a power of two long) per device, reused across steps, under a hard cap.
 
@@ -165,6 +166,7 @@ class PinnedBufferPool:
     # bookkeeping (``_depth`` > 1) is deferred: applied when the outermost section ends, so no free list changes
     # under an iteration and no count is read half-updated. Other threads still wait for the lock.
     # Test: tests/test_offload_lifecycle.py::test_graph_freed_by_a_gc_inside_the_pools_bookkeeping_does_not_hang
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
     def _guard(self) -> "_Guard":
         return _Guard(self)
 
@@ -181,6 +183,7 @@ class PinnedBufferPool:
     # pool); the thread ends when nothing is left to pin. ``reserve(nbytes, count)`` pins synchronously.
     # Tests: tests/test_pinned_pool.py::test_pinning_ahead_respects_the_cap_and_stops_on_a_failure and
     # tests/test_offload_lifecycle.py::test_step_one_packs_find_buffers_pinned_ahead_and_the_cap_holds
+    # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
     def reserve(self, nbytes: int, count: int, device: object = None) -> int:
         """Pin up to ``count`` free buffers for requests of ``nbytes`` now, within the cap; returns how many."""
         done = 0

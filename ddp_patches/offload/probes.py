@@ -45,6 +45,7 @@ def _check_generator_global() -> None:
 # spy, one tiny checkpoint runs, and the first candidate the spy saw is the target. The wrapper passes ``fn`` first
 # and everything else through untouched, which fits both signatures.
 # Test: tests/test_probes.py::test_offload_follows_the_generator_checkpoint_calls
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 def _probe_generator_name() -> str:
     present = [n for n in GENERATOR_NAMES if callable(vars(torch_checkpoint).get(n))]
     for name in present:

@@ -28,6 +28,7 @@ from .policy import check_version
 # last layer that uses it, and a second unpack of an input (``retain_graph``) says nothing new. In forward order
 # nothing is prefetched: each unpack waits for its own copy, correct but not overlapped.
 # Test: tests/test_offload_lifecycle.py::test_any_unpack_order_gives_exact_gradients_and_bounded_copies
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 class Restorer:
     """Serves unpacked handles and keeps at most ``prefetch_depth`` guesses in flight (NOTE [Any unpack order]).
 

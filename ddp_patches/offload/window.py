@@ -52,6 +52,7 @@ class OffloadStats:
 # step). The bookkeeping holds weak references only and is pruned at each pack.
 # Tests: tests/test_offload_lifecycle.py::test_gradient_penalty_inside_forward_does_not_split_the_step and
 # tests/test_offload_lifecycle.py::test_forwards_never_followed_by_a_backward_keep_bookkeeping_bounded
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §11
 class StepWindow:
     """The handles of one micro-step, in pack order, plus the device-to-host copies still in flight."""
 

@@ -66,6 +66,7 @@ def reload_4bit(model, cls):
 # own, and rank 0's files (a tiny model: kilobytes) are broadcast and written into each other rank's, which then
 # loads from its own disk; no rank assumes it shares a file system with rank 0.
 # Test: tests/test_two_nodes.py::test_two_torchrun_nodes_on_one_machine.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §19
 def rank0_files_into(directory: str) -> None:
     """Under a process group, make ``directory`` hold exactly rank 0's files of its own ``directory``, on every
     rank (a collective: every rank calls it)."""
