@@ -93,6 +93,7 @@ class _Tracked:
     unpaired: bool = False  # a wait timed out in this segment: none more in it
     left: set = field(default_factory=set)  # partners out of data in this segment
     records: list = field(default_factory=list)  # (step, key) this rank wrote to the store and has not deleted
+    fingerprints: list = field(default_factory=list)  # this rank's replica-check keys in the store, oldest first
 
 
 _counter = itertools.count()  # never reset: one index per tracked DDP for the life of the process
