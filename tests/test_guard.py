@@ -890,3 +890,39 @@ def test_three_ranks_two_with_equal_gradients_do_not_wait_for_a_rank_that_warned
     assert {s for s, _, _ in rank0["diverged"] + rank1["diverged"]} == {2}, (rank0["all"], rank1["all"])
     assert rank0["all"] == rank0["unsynced"] + rank0["diverged"] and "rank 2" not in str(rank0["diverged"])
     assert max(r["elapsed"] for r in (rank0, rank1, rank2)) < 2.0, [r["elapsed"] for r in (rank0, rank1, rank2)]
+
+
+# -- the step check's cached view of an optimizer (NOTE [The step check without a walk per step]) ---------------------
+def group_added_then_module_loss() -> dict:
+    """The optimizer holds layer 0 only for step 1, gets layer 2 by ``add_param_group``, steps 2 through the wrapper,
+    then step 3 applies gradients of layer 2 alone from a loss through ``.module[2]`` (never averaged)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    with ddp_patches.patched(on_unsynced="warn", replica_check_every=1), _Capture() as cap:
+        torch.manual_seed(0)
+        ddp = _ddp(_mlp())
+        opt = torch.optim.SGD(ddp.module[0].parameters(), lr=0.1)
+        for it in range(3):
+            cap.step = it + 1
+            if it == 1:
+                ddp.module[2].zero_grad(set_to_none=True)
+                opt.add_param_group({"params": list(ddp.module[2].parameters())})
+            if it < 2:
+                ddp(_batch(rank, it)).pow(2).mean().backward()
+            else:
+                hidden = torch.tanh(ddp.module[0](_batch(rank, it))).detach()
+                ddp.module[2](hidden).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return {"unsynced": cap.lines(UNSYNCED), "all": cap.records}
+
+
+def test_a_parameter_group_added_later_is_checked(pool):
+    """With a view of the optimizer kept from step 1, layer 2's gradients were not the optimizer's: no warning. The
+    step follows no synchronised backward, so a rank compares only a record already there: at least one of the
+    two does (each writes before it reads)."""
+    results = pool.run(group_added_then_module_loss)
+    lines = [line for r in results for line in r["unsynced"]]
+    assert lines and all(s == 3 and "'2.weight'" in m for s, _, m in lines), [r["all"] for r in results]
+    assert all(r["all"] == r["unsynced"] for r in results)
