@@ -269,7 +269,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 # tensors walked in Python took milliseconds per step), and reports exactly what the walk would.
 # Rule: an optimizer's view (its parameters, their ids, the DDPs owning them) is kept until its parameter lists
 # hold other objects (compared by identity, at C speed, allocating nothing) or the owner map changed. Per DDP, its
-# written parameters in the optimizer come from a set intersection. Every baseline is at most
+# written parameters in the optimizer are filtered at C speed. Every baseline is at most
 # ``forwards_at_step`` (both are taken at this DDP's steps): where a synchronised forward ran since then, none of
 # them is a suspect and their baselines move up in one update; otherwise they are judged one by one, in the
 # optimizer's order, as NOTE [Which gradients DDP never averaged] says.
@@ -278,7 +278,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 class _View:
     groups: list  # a copy of each parameter group's list of parameters
     ids: list  # id of every parameter of the optimizer, in its order
-    id_set: frozenset
+    id_keys: dict  # the same ids as keys: a dict, not a set (ids are addresses, whose low bits collide in a set)
     touched: list  # the tracked DDPs owning some of them, in order of first appearance
     owners_changed: int
 
@@ -303,7 +303,7 @@ def _view(optimizer: torch.optim.Optimizer) -> _View:
     groups = [list(group["params"]) for group in optimizer.param_groups]
     ids = list(map(id, itertools.chain.from_iterable(groups)))
     touched = [t for t in dict.fromkeys(map(_owner.get, ids)) if t is not None]
-    view = _View(groups, ids, frozenset(ids), touched, _owners_changed[0])
+    view = _View(groups, ids, dict.fromkeys(ids), touched, _owners_changed[0])
     try:
         _views[optimizer] = view
     except TypeError:
@@ -317,7 +317,7 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
     unsynced: dict[int, tuple[_Tracked, str]] = {}
     for tracked in view.touched:
         written = tracked.written
-        mine = view.id_set.intersection(written) if written else ()  # iterates the written ones only
+        mine = list(filter(view.id_keys.__contains__, written)) if written else ()  # the written ones only
         if not mine:
             continue
         forwards = tracked.synced_forwards
@@ -330,7 +330,7 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
                     del written[pid]
             continue
         for pid in view.ids:
-            if pid not in mine or pid not in written:  # another DDP's, or listed twice
+            if pid not in written:  # not written, another DDP's, or listed twice
                 continue
             averaged = written.pop(pid)
             synced_since = forwards != tracked.baseline.get(pid, 0) or averaged

@@ -62,8 +62,8 @@ def _ddp(module: nn.Module):
 
 
 def _reported(lines: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-    """Lines of several ranks, by step: a drift is reported by whichever rank compared (NOTE [Replica check without
-    a wait])."""
+    """Lines of several ranks, by step: a drift is reported by whichever rank compared
+    (NOTE [Replica check without a wait])."""
     return sorted(lines, key=lambda line: line[0])
 
 
