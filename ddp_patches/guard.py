@@ -269,10 +269,10 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 # tensors walked in Python took milliseconds per step), and reports exactly what the walk would.
 # Rule: an optimizer's view (its parameters, their ids, the DDPs owning them) is kept until its parameter lists
 # hold other objects (compared by identity, at C speed, allocating nothing) or the owner map changed. Per DDP, its
-# written parameters in the optimizer are filtered at C speed. Every baseline is at most
-# ``forwards_at_step`` (both are taken at this DDP's steps): where a synchronised forward ran since then, none of
-# them is a suspect and their baselines move up in one update; otherwise they are judged one by one, in the
-# optimizer's order, as NOTE [Which gradients DDP never averaged] says.
+# written parameters in the optimizer: all it wrote where the optimizer holds the whole DDP, else filtered. Every
+# baseline is at most ``forwards_at_step`` (both are taken at this DDP's steps): where a synchronised forward ran
+# since then, none of them is a suspect and their baselines move up in one update; otherwise they are judged one
+# by one, in the optimizer's order, as NOTE [Which gradients DDP never averaged] says.
 # Test: tests/test_guard.py::test_correct_patterns_are_silent
 @dataclass(eq=False)
 class _View:
@@ -280,6 +280,7 @@ class _View:
     ids: list  # id of every parameter of the optimizer, in its order
     id_keys: dict  # the same ids as keys: a dict, not a set (ids are addresses, whose low bits collide in a set)
     touched: list  # the tracked DDPs owning some of them, in order of first appearance
+    whole: set  # indices of those all of whose parameters the optimizer holds
     owners_changed: int
 
 
@@ -303,7 +304,9 @@ def _view(optimizer: torch.optim.Optimizer) -> _View:
     groups = [list(group["params"]) for group in optimizer.param_groups]
     ids = list(map(id, itertools.chain.from_iterable(groups)))
     touched = [t for t in dict.fromkeys(map(_owner.get, ids)) if t is not None]
-    view = _View(groups, ids, dict.fromkeys(ids), touched, _owners_changed[0])
+    keys = dict.fromkeys(ids)
+    whole = {t.index for t in touched if all(id(p) in keys for p in t.params)}
+    view = _View(groups, ids, keys, touched, whole, _owners_changed[0])
     try:
         _views[optimizer] = view
     except TypeError:
@@ -317,7 +320,10 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
     unsynced: dict[int, tuple[_Tracked, str]] = {}
     for tracked in view.touched:
         written = tracked.written
-        mine = list(filter(view.id_keys.__contains__, written)) if written else ()  # the written ones only
+        if not written:
+            continue
+        # the written ones of this optimizer: all of them where it holds the whole DDP (no lookup per parameter)
+        mine = written if tracked.index in view.whole else list(filter(view.id_keys.__contains__, written))
         if not mine:
             continue
         forwards = tracked.synced_forwards
