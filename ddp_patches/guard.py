@@ -12,6 +12,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import operator
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ class _Tracked:
     no_store: bool = False  # the replica check found no usable rendezvous store: it is off for this DDP
     warned: bool = False
     baseline: dict[int, int] = field(default_factory=dict)  # id(param) -> synced_forwards at its last step
+    # id(param) -> averaged by a backward DDP prepared itself, for gradients written since the parameter's last step
+    written: dict[int, bool] = field(default_factory=dict)
     pending_task: int = -2  # the backward whose suspicious writes await _resolve, and their ids
     pending: list = field(default_factory=list)
     publisher: int = 0  # global rank of the DDP group's rank 0
@@ -94,14 +97,14 @@ class _Tracked:
     unpaired: bool = False  # a wait timed out in this segment: none more in it
     left: set = field(default_factory=set)  # partners out of data in this segment
     records: list = field(default_factory=list)  # (step, key) this rank wrote to the store and has not deleted
+    fingerprints: list = field(default_factory=list)  # this rank's replica-check keys in the store, oldest first
 
 
 _counter = itertools.count()  # never reset: one index per tracked DDP for the life of the process
 _group_counters: dict[tuple[int, ...], "itertools.count[int]"] = {}  # per group of ranks, never reset (store keys)
 _owner: dict[int, _Tracked] = {}  # id(param) -> its tracked DDP
 _by_ddp: dict[int, _Tracked] = {}  # id(ddp) -> its record (a Join names its DDPs)
-# id(param) -> (tracked DDP, averaged by a backward DDP prepared itself), for gradients written since its last step
-_written: dict[int, tuple[_Tracked, bool]] = {}
+_owners_changed = [0]  # bumped whenever _owner changes: an optimizer's cached view of it is then stale
 
 
 def track(ddp: DDP) -> None:
@@ -130,6 +133,7 @@ def track(ddp: DDP) -> None:
             REGISTRY.add_handle(p.register_post_accumulate_grad_hook(hook))
     for _, p in named:
         _owner[id(p)] = tracked
+    _owners_changed[0] += 1
     _by_ddp[id(ddp)] = tracked
     weakref.finalize(ddp, _forget, tracked)
     log_rank0_once(f"guard-watch:{tracked.label}:{len(named)}", logging.INFO,
@@ -140,10 +144,10 @@ def track(ddp: DDP) -> None:
 def _forget(tracked: _Tracked) -> None:
     for pid in [k for k, v in _owner.items() if v is tracked]:
         del _owner[pid]
+    _owners_changed[0] += 1
     for key in [k for k, v in _by_ddp.items() if v is tracked]:
         del _by_ddp[key]
-    for pid in [k for k, v in _written.items() if v[0] is tracked]:
-        del _written[pid]
+    tracked.written.clear()
 
 
 class _Inert:
@@ -191,8 +195,10 @@ class _Written:
 
     def __call__(self, param: torch.Tensor) -> None:
         pid, tracked = id(param), self.tracked
-        _written[pid] = (tracked, False)
-        if tracked.synced_forwards == tracked.baseline.get(pid, 0):  # suspicious: ask the reducer, once per backward
+        tracked.written[pid] = False
+        # Every baseline is at most ``forwards_at_step``: a synchronised forward since this DDP's last step clears all
+        if tracked.synced_forwards == tracked.forwards_at_step \
+                and tracked.synced_forwards == tracked.baseline.get(pid, 0):  # suspicious: ask the reducer, once
             task = torch._C._current_graph_task_id()
             if task == -1:  # not inside a backward (a direct call): no engine to ask at its end
                 return
@@ -227,8 +233,8 @@ def _resolve(tracked: _Tracked, pids: list[int]) -> None:
         check()
     except RuntimeError:  # the reducer was averaging this backward
         for pid in pids:
-            if pid in _written and _written[pid][0] is tracked:
-                _written[pid] = (tracked, True)
+            if pid in tracked.written:
+                tracked.written[pid] = True
 
 
 # -- the optimizer step hooks ----------------------------------------------------------------------------------
@@ -261,21 +267,83 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         _nesting["depth"] -= 1
 
 
+# NOTE [The step check without a walk per step]
+# Invariant: a step's check costs what the backward wrote since the last step, not the optimizer's size (10k
+# tensors walked in Python took milliseconds per step), and reports exactly what the walk would.
+# Rule: an optimizer's view (its parameters, their ids, the DDPs owning them) is kept until its parameter lists
+# hold other objects (compared by identity, at C speed, allocating nothing) or the owner map changed. Per DDP, its
+# written parameters in the optimizer: all it wrote where the optimizer holds the whole DDP, else filtered. Every
+# baseline is at most ``forwards_at_step`` (both are taken at this DDP's steps): where a synchronised forward ran
+# since then, none of them is a suspect and their baselines move up in one update; otherwise they are judged one
+# by one, in the optimizer's order, as NOTE [Which gradients DDP never averaged] says.
+# Test: tests/test_guard.py::test_correct_patterns_are_silent
+@dataclass(eq=False)
+class _View:
+    groups: list  # a copy of each parameter group's list of parameters
+    ids: list  # id of every parameter of the optimizer, in its order
+    id_keys: dict  # the same ids as keys: a dict, not a set (ids are addresses, whose low bits collide in a set)
+    touched: list  # the tracked DDPs owning some of them, in order of first appearance
+    whole: set  # indices of those all of whose parameters the optimizer holds
+    owners_changed: int
+
+
+_views: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _View]" = weakref.WeakKeyDictionary()
+
+
+def _same_parameters(view: _View, param_groups: list) -> bool:
+    return len(view.groups) == len(param_groups) and all(
+        len(kept) == len(group["params"]) and all(map(operator.is_, kept, group["params"]))
+        for kept, group in zip(view.groups, param_groups))
+
+
+def _view(optimizer: torch.optim.Optimizer) -> _View:
+    try:
+        view = _views.get(optimizer)
+    except TypeError:  # not weakly referenceable: no cache
+        view = None
+    if view is not None and view.owners_changed == _owners_changed[0] \
+            and _same_parameters(view, optimizer.param_groups):
+        return view
+    groups = [list(group["params"]) for group in optimizer.param_groups]
+    ids = list(map(id, itertools.chain.from_iterable(groups)))
+    touched = [t for t in dict.fromkeys(map(_owner.get, ids)) if t is not None]
+    keys = dict.fromkeys(ids)
+    whole = {t.index for t in touched if all(id(p) in keys for p in t.params)}
+    view = _View(groups, ids, keys, touched, whole, _owners_changed[0])
+    try:
+        _views[optimizer] = view
+    except TypeError:
+        pass
+    return view
+
+
 def _check_step(optimizer: torch.optim.Optimizer) -> None:
-    touched: dict[int, _Tracked] = {}
+    view = _view(optimizer)
+    touched: dict[int, _Tracked] = {t.index: t for t in view.touched}
     unsynced: dict[int, tuple[_Tracked, str]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            pid = id(p)
-            tracked = _owner.get(pid)
-            if tracked is None:
+    for tracked in view.touched:
+        written = tracked.written
+        if not written:
+            continue
+        # the written ones of this optimizer: all of them where it holds the whole DDP (no lookup per parameter)
+        mine = written if tracked.index in view.whole else list(filter(view.id_keys.__contains__, written))
+        if not mine:
+            continue
+        forwards = tracked.synced_forwards
+        if forwards != tracked.forwards_at_step:  # NOTE [The step check without a walk per step]
+            tracked.baseline.update(dict.fromkeys(mine, forwards))
+            if len(mine) == len(written):
+                written.clear()
+            else:
+                for pid in mine:
+                    del written[pid]
+            continue
+        for pid in view.ids:
+            if pid not in written:  # not written, another DDP's, or listed twice
                 continue
-            touched[tracked.index] = tracked
-            write = _written.pop(pid, None)
-            if write is None:
-                continue
-            synced_since = tracked.synced_forwards != tracked.baseline.get(pid, 0) or write[1]
-            tracked.baseline[pid] = tracked.synced_forwards
+            averaged = written.pop(pid)
+            synced_since = forwards != tracked.baseline.get(pid, 0) or averaged
+            tracked.baseline[pid] = forwards
             if not synced_since and not tracked.stepped_aside and tracked.index not in unsynced:
                 unsynced[tracked.index] = (tracked, tracked.names[pid])
     every = _settings.replica_check_every
@@ -432,8 +500,9 @@ class _Handles:
             handle.remove()
         _settings.active = False
         _owner.clear()
+        _owners_changed[0] += 1
         _by_ddp.clear()
-        _written.clear()
+        _views.clear()
         _nesting["depth"] = 0
 
 

@@ -1,5 +1,6 @@
-"""The replica check: before an optimizer step, each rank compares a fingerprint of its trainable parameters with
-its DDP group's rank 0 through the rendezvous store, and reports a drift by the first parameter that differs.
+"""The replica check: before an optimizer step, each rank publishes a fingerprint of its trainable parameters in the
+rendezvous store and compares it, without waiting, with the records of its DDP group's rank 0 (rank 0: of every
+rank) already there; a drift is reported by the first parameter that differs.
 
 Called by the guard (``ddp_patches.guard``), which tracks each DDP and counts its optimizer steps; ``tracked`` below
 is the guard's record of one DDP. The check runs only where the DDP's communication hook keeps replicas equal.
@@ -21,8 +22,8 @@ from .distributed import log_rank0_once
 logger = logging.getLogger("ddp_patches")
 
 DEFAULT_REPLICA_CHECK_EVERY = 100  # the cost at this interval: benchmarks/guard.py
-# The longest a wait may last, once per segment: reached only where a partner breaks the pairing the waits rely on
-# (point 4 of NOTE [A store wait has a partner that will come])
+# The longest a wait of the gradient comparison may last, once per segment: reached only where a partner breaks the
+# pairing the waits rely on (point 4 of NOTE [A store wait has a partner that will come])
 REPLICA_CHECK_TIMEOUT_S = 60.0
 SYNCED = b"synced"  # the gradient record of a rank whose step applies gradients DDP averaged (no fingerprint)
 _ABSENT = b"\x00ddp_patches: no such key"  # compare_set's answer for a key that is not there (no record looks so)
@@ -250,12 +251,16 @@ def say_left(tracked: Any) -> None:
 def new_segment(tracked: Any, *, forget: bool) -> None:
     """A Join this DDP took part in is over, on every rank: its checks count from step 1 again under new keys;
     ``forget``: the Join's last all-reduce proved every peer past this rank's records, which are deleted."""
-    if forget and tracked.records:
+    if forget and (tracked.records or tracked.fingerprints):
         try:
-            forget_records(rendezvous_store(), tracked)
+            store = rendezvous_store()
+            forget_records(store, tracked)
+            tracked.fingerprints, old = [], tracked.fingerprints
+            for key in old:
+                store.delete_key(key)
         except (RuntimeError, AttributeError, ValueError):
             pass
-    tracked.records = []
+    tracked.records, tracked.fingerprints = [], []
     tracked.segment += 1
     tracked.segment_base = tracked.steps
     tracked.forwards_at_step = tracked.synced_forwards
@@ -268,16 +273,15 @@ def new_segment(tracked: Any, *, forget: bool) -> None:
 # NOTE [A store wait has a partner that will come]
 # Invariant: a run that trains without the library never stalls in the store: no rank waits for a record that may
 # not come (a rank out of data under Join, one that warned already, one that took fewer steps); a comparison may be
-# missed instead. Rule: (1) every rank of a DDP's group checks at the same steps (1, 2, every Nth of a segment:
-# NOTE [Join ends a segment of step counts]) and writes its record at each whatever it found before (a warning
-# given, gradients found equal). (2) A rank that steps no more in a segment (out of data under Join) writes "left".
-# (3) A wait ends at the partner's record or its "left", and is made only where the partner's next move is one of
-# the two: this DDP synchronised a forward since this rank's previous step, or since the first step of this
-# iteration by another optimizer (the partner joined that backward, so it goes on to the iteration's steps or runs
-# out of data under Join), or it synchronised none in this segment (a loss through
-# `.module`: only these checks pair the ranks). Otherwise a rank reads a record already there, or none. (4) A rank
-# that skips a step its peers take after a synchronised backward, or stops without Join in a loop of (3)'s second
-# kind, is not waited for longer than REPLICA_CHECK_TIMEOUT_S, once per segment, said in a WARNING.
+# missed instead. The replica check never waits (NOTE [Replica check without a wait]); this is the gradient
+# comparison's rule. (1) Every rank of a DDP's group checks at the same steps (1, 2, every Nth of a segment:
+# NOTE [Join ends a segment of step counts]) and writes its record at each whatever it found before. (2) A rank
+# that steps no more in a segment (out of data under Join) writes "left". (3) A wait ends at the partner's record
+# or its "left", and is made only where the partner's next move is one of the two: this DDP synchronised a forward
+# since this rank's previous step, or since the first step of this iteration by another optimizer, or none in this
+# segment (a loss through `.module`: only these checks pair the ranks). Otherwise a rank reads a record already
+# there, or none. (4) A rank that skips a step its peers take after a synchronised backward, or stops without Join
+# in a loop of (3)'s second kind, is not waited for longer than REPLICA_CHECK_TIMEOUT_S, once per segment.
 # Test: tests/test_replica_check.py::test_join_with_uneven_inputs_trains_as_without_the_library_with_no_wait
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 def read_partner(store: Any, tracked: Any, key: str, partner: int, what: str,
@@ -323,71 +327,99 @@ def _peek(store: Any, key: str) -> bytes | None:
     return None if value == _ABSENT else value
 
 
-# NOTE [Replica check without a collective]
-# Invariant: the check never deadlocks and never touches the training collectives, also when ranks disagree about
-# stepping (a rank out of data, a step skipped on one rank, a rank that raised): a collective on the training group
-# would then be a mismatched one (under NCCL a hang, or a silent mix of two buffers), and one on a group of its own
-# would need that group created collectively first.
-# Rule: speak through the rendezvous store every process group already has. The DDP group's rank 0 writes its
-# fingerprint under a key named by the DDP, its segment and step count, and never waits; every other rank reads
-# that key (waiting only as NOTE [A store wait has a partner that will come] allows), compares, and a rank that
-# differs logs the ERROR naming itself and rank 0 (raises with on_unsynced="raise"). A check rank 0 does not
-# reach is skipped: at once where nothing ties this step to rank 0's, after REPLICA_CHECK_TIMEOUT_S otherwise.
-# Test: tests/test_guard.py::test_no_hang_when_one_rank_skips_the_check
+# NOTE [Replica check without a wait]
+# Invariant: the check never blocks and never touches the training collectives, also when ranks disagree about
+# stepping (one skips a step its peers take, one runs out of data, one raised): no rank waits for a record that may
+# not come, and a collective on the training group would be a mismatched one (under NCCL a hang).
+# Rule: speak through the rendezvous store every process group has. At its check of step k (of the segment) each
+# rank of the DDP's group writes its fingerprint under a key named by the DDP, segment, step and rank, then reads
+# once, without waiting, its partners' records for k (the group's rank 0: every rank's; any other: rank 0's) and
+# compares those there. Store operations are ordered, so of two ranks that both check step k at least one finds
+# the other's record: the later one compares, at its own step k (a rank that skipped a step its peers took, later).
+# A difference: one ERROR on the rank that compared, naming the other (ReplicaDivergenceError with "raise"). A rank
+# keeps its last KEPT_FINGERPRINTS records. Never compared, and never waited for: a partner more checks behind than
+# that, one that never reaches k (stopped, out of data under Join), so at the end of a run a last check that only
+# one rank of a pair reaches.
+# Test: tests/test_replica_check.py::test_rank0_skipping_a_step_stalls_nothing_and_the_drift_is_reported
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 def check_replicas(tracked: Any, *, every: int = 1, on_divergence: str = "warn",
                    timeout_s: float | None = None) -> bool | None:
-    """Compare this rank's fingerprint with its DDP group's rank 0; True: same, False: differs, None: skipped.
+    """Publish this rank's fingerprint and compare it with the partners' already there
+    (NOTE [Replica check without a wait]); True: all compared are the same, False: one differs, None: none there.
 
-    ``every``: the check interval (unused: records are deleted as NOTE [A store wait has a partner that will come]
-    allows); ``on_divergence``: "raise" raises ReplicaDivergenceError, anything else logs one ERROR."""
+    ``every`` and ``timeout_s``: unused (the check neither waits nor counts on a schedule of deletions);
+    ``on_divergence``: "raise" raises ReplicaDivergenceError, anything else logs one ERROR."""
     mine = fingerprint(tracked.params)  # on the host: after the all-reduce this step is anchored by, if any
     step, me = check_step(tracked), dist.get_rank()
-    key = segment_key(tracked, step)
+    partners = [r for r in tracked.group_ranks if r != me] if me == tracked.publisher else [tracked.publisher]
+    found = []
     try:
         store = rendezvous_store()
         if tracked.anchored:
-            forget_records(store, tracked, before=step)
-        if me == tracked.publisher:
-            write_record(store, tracked, key, mine.numpy().tobytes())
-            return True
-        theirs = read_partner(store, tracked, key, tracked.publisher, f"replica check of {tracked.label}", timeout_s)
+            forget_records(store, tracked, before=step)  # the gradient records (NOTE [Confirmed before it speaks])
+        _publish(store, tracked, segment_key(tracked, "fp", step, me), mine.numpy().tobytes())
+        for partner in partners:
+            theirs = _peek(store, segment_key(tracked, "fp", step, partner))
+            if theirs is not None:
+                found.append((partner, torch.frombuffer(bytearray(theirs), dtype=torch.float64)))
     except (RuntimeError, AttributeError, ValueError) as exc:  # no usable rendezvous store: never fail a step for it
         tracked.no_store = True
         log_rank0_once(f"guard-no-store-{tracked.index}", logging.WARNING,
                        "ddp_patches: replica check off for %s: the process group's rendezvous store is not usable "
                        "here (%s)", tracked.label, exc)
         return None
-    if theirs is None:
+    if not found:
         return None
-    theirs = torch.frombuffer(bytearray(theirs), dtype=torch.float64)
-    if theirs.numel() == mine.numel() and bytes(theirs.numpy().tobytes()) == bytes(mine.numpy().tobytes()):
-        return True
-    _report_divergence(tracked, mine, theirs, on_divergence)
-    return False
+    mine_bits = mine.numpy().tobytes()
+    differ = [(partner, theirs) for partner, theirs in found
+              if theirs.numel() != mine.numel() or theirs.numpy().tobytes() != mine_bits]
+    if differ:
+        _report_divergence(tracked, mine, differ, on_divergence)
+        return False
+    return True
 
 
-def _report_divergence(tracked: Any, mine: torch.Tensor, theirs: torch.Tensor, on_divergence: str) -> None:
+KEPT_FINGERPRINTS = 4  # per rank and DDP: how many checks a partner may lag and still be compared
+
+
+def _publish(store: Any, tracked: Any, key: str, value: bytes) -> None:
+    store.set(key, value)
+    tracked.fingerprints.append(key)
+    while len(tracked.fingerprints) > KEPT_FINGERPRINTS:
+        old = tracked.fingerprints.pop(0)
+        try:
+            store.delete_key(old)
+        except (RuntimeError, AttributeError):  # a store without delete_key: the key stays (bytes per check)
+            pass
+
+
+def _report_divergence(tracked: Any, mine: torch.Tensor, differ: list[tuple[int, torch.Tensor]],
+                       on_divergence: str) -> None:
     me = dist.get_rank()
+    peer, theirs = differ[0]
     names = list(tracked.names.values())
     if theirs.numel() != mine.numel():
-        detail = f"rank {tracked.publisher} has {theirs.numel() // 2} trainable parameters, this rank {len(names)}"
+        detail = f"rank {peer} has {theirs.numel() // 2} trainable parameters, this rank {len(names)}"
     else:
-        differ = [i for i in range(len(names))
-                  if _bits(mine[2 * i]) != _bits(theirs[2 * i]) or _bits(mine[2 * i + 1]) != _bits(theirs[2 * i + 1])]
-        i = differ[0]
+        diff = [i for i in range(len(names))
+                if _bits(mine[2 * i]) != _bits(theirs[2 * i]) or _bits(mine[2 * i + 1]) != _bits(theirs[2 * i + 1])]
+        i = diff[0]
         mine_sum, their_sum = float(mine[2 * i]), float(theirs[2 * i])
         mine_norm, their_norm = float(mine[2 * i + 1]), float(theirs[2 * i + 1])
         detail = (f"first differing parameter '{names[i]}': sum {mine_sum:.9g} here vs {their_sum:.9g} on rank "
-                  f"{tracked.publisher} (|diff| {abs(mine_sum - their_sum):.3g}), L2 norm {mine_norm:.9g} vs "
-                  f"{their_norm:.9g} (relative diff {_relative(mine_norm, their_norm):.3g}); {len(differ)} of "
+                  f"{peer} (|diff| {abs(mine_sum - their_sum):.3g}), L2 norm {mine_norm:.9g} vs "
+                  f"{their_norm:.9g} (relative diff {_relative(mine_norm, their_norm):.3g}); {len(diff)} of "
                   f"{len(names)} trainable parameters differ")
+    others = f" (and from rank(s) {', '.join(str(p) for p, _ in differ[1:])})" if len(differ) > 1 else ""
     message = (f"ddp_patches: rank {me}: replica check before optimizer step {tracked.steps} of {tracked.label}: "
-               f"this rank's parameters differ from rank {tracked.publisher}'s, the DDP replicas have drifted apart: "
-               f"{detail}. Something applied gradients DDP did not average, or changed parameters on some ranks "
-               "only (a loss through `.module` after the last synced micro-step, a per-rank seed in a parameter "
-               "update, a load on one rank). "
-               "(NOTE [Replica check without a collective] in ddp_patches/replica_check.py)")
+               f"this rank's parameters differ from rank {peer}'s{others}, the DDP replicas have drifted apart "
+               f"(compared at the same optimizer step count of each rank): {detail}. Something applied gradients "
+               "DDP did not average, or changed parameters on some ranks only (a loss through `.module` after the "
+               "last synced micro-step, an optimizer step skipped on some ranks only, a per-rank seed in a "
+               "parameter update, a load on one rank). "
+               "(NOTE [Replica check without a wait] in ddp_patches/replica_check.py)")
     if on_divergence == "raise":
         raise ReplicaDivergenceError(message)
     logger.error("%s", message)

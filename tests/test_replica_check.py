@@ -169,9 +169,9 @@ def test_hooks_that_keep_replicas_equal_keep_the_check_and_it_stays_silent(pool,
 @pytest.mark.parametrize("hook", ["powerSGD", "fp16-wrapper"])
 def test_a_real_drift_under_a_vouched_hook_is_still_caught(pool, hook):
     rank0, rank1 = pool.run(vouched_hook, hook=hook, on_unsynced="warn", perturb_before=4, timeout=60)
-    assert rank0["all"] == []  # rank 0 publishes, never compares
-    assert [s for s, _, _ in rank1["diverged"]] == [4, 5, 6], rank1["all"]  # at once, and at each check after
-    step, level, message = rank1["diverged"][0]
+    # At once, and at each check after, on the rank that compared (the later of the two at that step)
+    assert sorted({s for s, _, _ in rank0["diverged"] + rank1["diverged"]}) == [4, 5, 6], (rank0["all"], rank1["all"])
+    step, level, message = sorted(rank0["diverged"] + rank1["diverged"])[0]
     assert level == "ERROR" and "'2.bias'" in message and not rank1["in_sync"]
     assert not any(ASIDE in m for _, _, m in rank1["all"] + rank0["all"])
 
@@ -243,9 +243,10 @@ def test_join_then_steps_in_step_are_checked_again_and_a_drift_is_caught(pool):
     unpatched = pool.run(join_uneven, library=False, **kwargs, timeout=60)
     assert all(r["joined_in_sync"] and not r["in_sync"] and r["all"] == [] for r in unpatched)
     rank0, rank1 = pool.run(join_uneven, library=True, every=1, **kwargs, timeout=60)
-    assert rank0["all"] == [] and rank0["joined_in_sync"] and rank1["joined_in_sync"]
-    assert [s for s, _, _ in rank1["diverged"]] == [102, 103], rank1["all"]  # at once, and at the next check
-    assert [level for _, level, _ in rank1["all"]] == ["ERROR", "ERROR"], rank1["all"]
+    assert rank0["joined_in_sync"] and rank1["joined_in_sync"]
+    both = rank0["all"] + rank1["all"]  # reported by the rank that compared: the later of the two at that step
+    assert sorted({s for s, _, _ in both}) == [102, 103] and both == rank0["diverged"] + rank1["diverged"], both
+    assert {level for _, level, _ in both} == {"ERROR"}, both
     assert max(rank0["elapsed"], rank1["elapsed"]) < 2.0, (rank0["elapsed"], rank1["elapsed"])
 
 
@@ -299,10 +300,66 @@ def two_optimizers(library: bool, every: int = 2, steps: int = 16, perturb_at: i
 
 
 def test_two_optimizers_on_one_ddp_still_catch_a_drift(pool):
-    """The second optimizer's step of an iteration follows the same synchronised backward as the first, on every
-    rank: its check may wait for rank 0's record. Before, only the first optimizer's step could, so with an even
-    interval every check fell on a step that only peeked, and a drift behind a slower rank 0 was never reported
-    (found by review). Unpatched: trains and drifts silently."""
+    """Two optimizers step one DDP each iteration, so a check may fall on either's step. Before, only the first
+    optimizer's step could wait for rank 0's record, so with an even interval every check fell on a step that only
+    peeked, and a drift behind a slower rank 0 was never reported (found by review). Now rank 0, the later one,
+    compares. Unpatched: trains and drifts silently."""
     assert not any(r["in_sync"] or r["diverged"] for r in pool.run(two_optimizers, library=False, timeout=60))
     rank0, rank1 = pool.run(two_optimizers, library=True, timeout=60)
-    assert rank1["diverged"] and rank1["diverged"][0][0] == 6, rank1["diverged"]  # at the iteration of the change
+    first = sorted(rank0["diverged"] + rank1["diverged"])
+    assert first and first[0][0] == 6, first  # at the iteration of the change
+
+
+# -- one rank skips an optimizer step the others take: no wait, and the drift is reported ----------------------------
+@pytest.fixture(scope="module")
+def pool3():
+    from tests.harness import DistPool
+
+    p = DistPool(world_size=3)
+    yield p
+    p.close()
+
+
+def rank0_skips_a_step(iters: int = 6, skip_at: int = 3) -> dict:
+    """Every iteration runs a synchronised forward and backward on every rank and a replica check before every
+    step; at iteration ``skip_at`` rank 0 alone skips its optimizer step (an AMP GradScaler that found inf only
+    there, or ``if rank == 0 and cond: continue``): from then on its parameters lag its peers' by one update. How
+    long the loop took, what the library logged (with the iteration), and whether the ranks ended in sync."""
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    with ddp_patches.patched(replica_check_every=1), _Capture() as cap:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        start = time.perf_counter()
+        for it in range(1, iters + 1):
+            cap.step = it
+            ddp(_batch(rank, it)).pow(2).mean().backward()
+            if not (rank == 0 and it == skip_at):
+                opt.step()
+            opt.zero_grad()
+        elapsed = time.perf_counter() - start
+        in_sync = _in_sync(ddp.module)
+    return {"elapsed": elapsed, "all": cap.records, "diverged": cap.lines(DIVERGED), "in_sync": in_sync}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank0_skipping_a_step_stalls_nothing_and_the_drift_is_reported(pool, pool3, world):
+    """Before the check stopped waiting: every other rank waited for rank 0's fingerprint before its step 3 until
+    the timeout (60 s measured on 2 ranks; rank 0 meanwhile blocked in the next all-reduce), said so, and compared
+    nothing more, so the drift went unreported. Now no rank waits, and the drift is reported by rank 0, the one that
+    reaches each step count last: its step 4 (iteration 5) is the first whose parameters differ from the others'
+    step 4 (rank 0 applied the updates of iterations 1, 2, 4; the others those of 1, 2, 3)."""
+    results = (pool if world == 2 else pool3).run(rank0_skips_a_step, timeout=120)
+    assert max(r["elapsed"] for r in results) < 5.0, [r["elapsed"] for r in results]
+    assert not any(r["in_sync"] for r in results)
+    rank0 = results[0]
+    assert [(it, level) for it, level, _ in rank0["all"]] == [(5, "ERROR"), (6, "ERROR")], rank0["all"]
+    message = rank0["diverged"][0][2]
+    assert "rank 0:" in message and "from rank 1's" in message and "optimizer step 4 " in message
+    assert ("rank(s) 2" in message) == (world == 3)
+    for r in results[1:]:  # each checked its steps before rank 0 did: nothing of rank 0's to compare yet, no wait
+        assert r["all"] == [], r["all"]

@@ -60,10 +60,9 @@ def test_two_torchrun_nodes_on_one_machine(tmp_path, monkeypatch):
     per_node, per_world = _expected_cap(monkeypatch, 1), _expected_cap(monkeypatch, 2)
     assert per_node != per_world and all(r["offload"]["cap_bytes"] == per_node for r in ranks), ranks
 
-    # the replica check: rank 0 publishes, rank 1 compares and names the weight it nudged, at the checked step 2
-    assert ranks[0]["drift_lines"] == [], ranks[0]["drift_lines"]
-    drift = ranks[1]["drift_lines"]
-    assert len(drift) == 1 and drift[0].startswith("ERROR") and "optimizer step 2" in drift[0], drift
-    assert "'2.bias'" in drift[0] and "rank 1" in drift[0], drift
+    # the replica check: both ranks publish; the later one at step 2 compares and names the weight rank 1 nudged
+    drift = ranks[0]["drift_lines"] + ranks[1]["drift_lines"]
+    assert 1 <= len(drift) <= 2 and all(d.startswith("ERROR") and "optimizer step 2" in d for d in drift), drift
+    assert all("'2.bias'" in d and "rank 1" in d and "rank 0" in d for d in drift), drift
     # the QLoRA builder's saved model: rank 1 reads rank 0's files from a directory of its own
     assert all(r["saved_files"] == {"same": True, "files": ["sub"]} for r in ranks), ranks
