@@ -277,6 +277,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 # since then, none of them is a suspect and their baselines move up in one update; otherwise they are judged one
 # by one, in the optimizer's order, as NOTE [Which gradients DDP never averaged] says.
 # Test: tests/test_guard.py::test_correct_patterns_are_silent
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §8
 @dataclass(eq=False)
 class _View:
     groups: list  # a copy of each parameter group's list of parameters

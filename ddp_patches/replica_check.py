@@ -329,20 +329,16 @@ def _peek(store: Any, key: str) -> bytes | None:
 
 # NOTE [Replica check without a wait]
 # Invariant: the check never blocks and never touches the training collectives, also when ranks disagree about
-# stepping (one skips a step its peers take, one runs out of data, one raised): no rank waits for a record that may
-# not come, and a collective on the training group would be a mismatched one (under NCCL a hang).
-# Rule: speak through the rendezvous store every process group has. At its check of step k (of the segment) each
-# rank of the DDP's group writes its fingerprint under a key named by the DDP, segment, step and rank, then reads
-# once, without waiting, its partners' records for k (the group's rank 0: every rank's; any other: rank 0's) and
-# compares those there. Store operations are ordered, so of two ranks that both check step k at least one finds
-# the other's record: the later one compares, at its own step k (a rank that skipped a step its peers took, later).
-# A difference: one ERROR on the rank that compared, naming the other (ReplicaDivergenceError with "raise"). A rank
-# keeps its last KEPT_FINGERPRINTS records. Never compared, and never waited for: a partner more checks behind than
-# that, one that never reaches k (stopped, out of data under Join), so at the end of a run a last check that only
-# one rank of a pair reaches.
+# stepping (one skips a step its peers take, one runs out of data, one raised): a wait may have no partner, and a
+# collective on the training group would be a mismatched one (under NCCL a hang).
+# Rule: through the rendezvous store. At its check of step k (of the segment) each rank writes its fingerprint
+# under a key named by the DDP, segment, step and rank, then reads once, without waiting, its partners' records for
+# k (rank 0: every rank's; others: rank 0's) and compares those there. Store operations are ordered, so of two
+# ranks that both check step k the later one finds the other's record and compares (a rank that skipped a step its
+# peers took, later). A difference: one ERROR on the rank that compared (ReplicaDivergenceError with "raise"). A
+# rank keeps its last KEPT_FINGERPRINTS records; never compared: a partner further behind, or one that never
+# reaches k (stopped, out of data under Join; the last check of a run).
 # Test: tests/test_replica_check.py::test_rank0_skipping_a_step_stalls_nothing_and_the_drift_is_reported
-# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
-# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 def check_replicas(tracked: Any, *, every: int = 1, on_divergence: str = "warn",
                    timeout_s: float | None = None) -> bool | None:

@@ -140,7 +140,7 @@ def write() -> int:
             indent = NOTE_DEF.match(lines[start]).group(1)
             ref = f"Design: {DOC} §{where[note['name']]}"
             block = list(range(start, start + n))
-            for i in block:  # an old reference goes first
+            for i in reversed(block):  # every old reference goes first (bottom up: indices stay valid)
                 if DESIGN.search(lines[i]):
                     stripped = DESIGN.sub("", lines[i]).rstrip()
                     if stripped.strip() in ("", "#"):
@@ -148,7 +148,6 @@ def write() -> int:
                         n -= 1
                     else:
                         lines[i] = stripped
-                    break
             block = list(range(start, start + n))
             tests = [i for i in block if lines[i].lstrip().startswith(("# Test:", "# Tests:"))]
             anchor = tests[-1] if tests else block[-1]
