@@ -514,7 +514,7 @@ class UnusedParameterEdges:
             params = _pick(self._params, unreachable)
         if not unreachable:
             return
-        if self._later_backward_may_reach(unreachable):
+        if self._later_backward_may_reach(unreachable, static=_static(ddp)):
             return  # decided at the end: NOTE [Several backwards of one forward]
         self._graph = _walk_below(_live(self._starts) or [node])
         if self._graph.may_nest:
@@ -526,15 +526,17 @@ class UnusedParameterEdges:
         self._early += unreachable
         self._fire(ddp, unreachable)
 
-    def _later_backward_may_reach(self, unreached: list[int], starts: list | None = None) -> bool:
+    def _later_backward_may_reach(self, unreached: list[int], starts: list | None = None, *,
+                                  static: bool = False) -> bool:
         """NOTE [Several backwards of one forward]: whether a later backward of the forwards since the last settle
         may still reach one of the ``unreached`` parameters (or a Function that may run a nested backward)."""
         will_run = torch._C._will_engine_execute_node
         live = _live(self._starts if starts is None else starts)
         roots = [node for node in live if not getattr(node, "ran", False) and not will_run(node)]
         keeps_graph = _keeps_graph()
-        # NOTE [Only a backward that accumulates]: one that keeps its graph may have run only part of it
-        running = [node for node in live if will_run(node)] if keeps_graph else []
+        # NOTE [Only a backward that accumulates]: one that keeps its graph may have run only part of it; not under
+        # static_graph, whose reducer reduces at the first stage's end (torch alone trains such stages unaveraged)
+        running = [node for node in live if will_run(node)] if keeps_graph and not static else []
         if not roots and not running:
             return False
         targets = {id(self._nodes[i]) for i in unreached}
@@ -592,7 +594,7 @@ class UnusedParameterEdges:
         fired.update(early)
         late = [] if len(fired) == len(self._params) else list(
             itertools.filterfalse(fired.__contains__, range(len(self._params))))
-        if late and self._later_backward_may_reach(late, starts):
+        if late and self._later_backward_may_reach(late, starts, static=_static(ddp)):
             self._defer(ddp, fired, empty, early_no_grad, starts)
             return
         self._deferred = False
@@ -752,6 +754,10 @@ def _reducer_prepared(ddp: nn.Module) -> bool:
 # (NOTE [Several backwards of one forward]); the last stage fires what none reached. Freeing it, it is taken as a
 # full backward (the others are fired).
 # Test: tests/test_reach_backwards.py::test_backward_with_inputs_in_two_stages_trains_as_ddp_does.; Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
+def _static(ddp: nn.Module) -> bool:
+    return bool(getattr(ddp, "static_graph", False))
+
+
 def _live(starts: list) -> list:
     """The start nodes still alive in ``starts`` (per forward, a tuple of weak references)."""
     return [node for refs in starts for node in (ref() for ref in refs) if node is not None]

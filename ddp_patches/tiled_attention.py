@@ -407,25 +407,34 @@ def _outside_problem(attn: torch.nn.Module, norm: torch.nn.Module | None, x: tor
     """Per instance, once: a trainable tensor from outside the shard's modules reaching a shard's output
     (the replay would not differentiate it: tiled_mlp's NOTE [Hooks inside a tiled MLP])."""
     if attn not in _outside:
-        rows = x.detach().reshape(-1, x.shape[-1])[:2]
-        why, q_width = None, None
-        for name in _PROJ:
-            modules = (_children(attn)["o_proj"],) if name == "o_proj" else _modules_of(attn, name, norm)
-            holder = torch.nn.Module()
-            holder._modules.update({str(i): m for i, m in enumerate(modules)})
-            if name == "o_proj":
-                fn, inp = _in_shard(modules[0]), torch.zeros(2, q_width, dtype=rows.dtype, device=rows.device)
-            else:
-                fn, inp = _projection(attn, name, norm), rows
-            if name == "q_proj":
-                with torch.no_grad():
-                    q_width = fn(rows).shape[-1]
-            why = tiled_mlp._outside_tensor(holder, inp, lambda _m, r, fn=fn: fn(r))
-            if why is not None:
-                why = f"{name}: {why}"
-                break
-        _outside[attn] = why
+        # Dropout off and the RNG restored: the check must not move the generator (a checkpoint's recompute, which
+        # skips it, would draw other LoRA dropout masks than this forward: wrong gradients on the first step).
+        devices = [x.device] if x.device.type == "cuda" else []
+        with tiled_mlp.dropout_off(attn), torch.random.fork_rng(devices=devices, device_type="cuda"):
+            _outside[attn] = _outside_check(attn, norm, x)
     return _outside[attn]
+
+
+def _outside_check(attn: torch.nn.Module, norm: torch.nn.Module | None, x: torch.Tensor) -> str | None:
+    """_outside_problem's check, run once per instance with dropout off and the RNG restored."""
+    rows = x.detach().reshape(-1, x.shape[-1])[:2]
+    why, q_width = None, None
+    for name in _PROJ:
+        modules = (_children(attn)["o_proj"],) if name == "o_proj" else _modules_of(attn, name, norm)
+        holder = torch.nn.Module()
+        holder._modules.update({str(i): m for i, m in enumerate(modules)})
+        if name == "o_proj":
+            fn, inp = _in_shard(modules[0]), torch.zeros(2, q_width, dtype=rows.dtype, device=rows.device)
+        else:
+            fn, inp = _projection(attn, name, norm), rows
+        if name == "q_proj":
+            with torch.no_grad():
+                q_width = fn(rows).shape[-1]
+        why = tiled_mlp._outside_tensor(holder, inp, lambda _m, r, fn=fn: fn(r))
+        if why is not None:
+            why = f"{name}: {why}"
+            break
+    return why
 
 
 def _declined(attn: torch.nn.Module, norm: torch.nn.Module | None, why: str) -> None:
