@@ -161,12 +161,12 @@ def walk_graph(nodes: list) -> GraphFacts:
 # NOTE [No walk without a custom Function]
 # Invariant: the walk below the outputs (NOTE [Unused parameters marked where DDP marks them]) finds a Function
 # that may nest a backward or issue a collective whenever one is in the graph, at no cost where none exists.
-# Rule: while the reducer patches are installed, each custom Function node is seen as it is made
+# Rule: from the first DDP built under apply() (never in one process), each custom Function node is seen as made
 # (``BackwardCFunction.__init__``: THPFunction_apply instantiates it per call) and, unless its Function is listed
 # as running no nested backward and no collective, kept weakly in ``_NODES_TO_WALK``. Where that set is empty no
 # graph holds such a node and the walk is skipped; otherwise (or where the watch is off) it runs as before. A node
-# made before apply() is not seen: apply() comes before the DDP is built.
-# Test: tests/test_reach_order.py::test_a_late_fire_among_collectives_fails_loudly.
+# made before the first DDP was built is not seen (it reaches a DDP's graph only through an input made before it).
+# Test: tests/test_reach_order.py::test_a_late_fire_among_collectives_fails_loudly, ::test_the_custom_function_watch_starts_with_the_first_ddp
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 _NODES_TO_WALK: weakref.WeakSet = weakref.WeakSet()
 _NODE_KINDS: dict[type, bool] = {}  # node type -> whether its Function may nest a backward or communicate
@@ -209,7 +209,8 @@ def watch_custom_functions() -> list[str]:
     BackwardCFunction.__init__ = _watch_node
     handle = _Unwatch()
     try:
-        probe = _ProbeStart.apply(None, None, torch.ones(1, requires_grad=True))  # listed under no name: kept
+        with torch.enable_grad():  # a DDP built under no_grad(): the probe still makes its node
+            probe = _ProbeStart.apply(None, None, torch.ones(1, requires_grad=True))  # listed under no name: kept
         seen = probe.grad_fn in _NODES_TO_WALK
     except Exception:  # noqa: BLE001 - any failure: no watch, the walk runs every backward
         seen = False

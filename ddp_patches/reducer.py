@@ -49,6 +49,7 @@ def _patched_ddp_init(original_init):
         tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
         chunked_loss.note_fused(self.module)  # no-op unless apply(chunked_loss=True): NOTE [When the chunked loss acts]
         trainable_set.TrainableGuard(self).install(self)  # before reach: its hooks see DDP's own outputs
+        reach.watch_custom_functions()  # once, at the first DDP: NOTE [No walk without a custom Function]
         reach.install(self)
         teardown.track(self)
         guard.track(self)  # no-op unless the guard is on (ddp_patches/guard.py, replica_check.py)
@@ -154,8 +155,7 @@ def install() -> list[str]:
         return []
     _patch_ddp_init()
     trainable_set.watch_registrations()
-    targets = [TARGETS[0], *reach.patch_join_hook(), *reach.patch_finalize_backward(),
-               *reach.watch_custom_functions()]
+    targets = [TARGETS[0], *reach.patch_join_hook(), *reach.patch_finalize_backward()]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()

@@ -287,3 +287,32 @@ def dual_encoder_case(patched: bool = True) -> dict:
 def test_two_forwards_with_a_reentrant_region_train(pool, patched):
     for r in pool.run(dual_encoder_case, patched=patched):
         assert r["max_rel_error"] <= 1e-9 and r["ranks_in_sync"], r
+
+
+def watch_installed_case() -> dict:
+    """Per rank: whether the custom-Function watch is on after apply(), after a DDP is built, and after revert()."""
+    from torch.autograd.function import BackwardCFunction
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp_patches.apply()
+    try:
+        after_apply = "__init__" in vars(BackwardCFunction)
+        DDP(nn.Linear(W, 1))
+        after_ddp = "__init__" in vars(BackwardCFunction)
+    finally:
+        ddp_patches.revert()
+    return {"apply": after_apply, "ddp": after_ddp, "revert": "__init__" in vars(BackwardCFunction)}
+
+
+def test_the_custom_function_watch_starts_with_the_first_ddp(pool):
+    """NOTE [No walk without a custom Function]: apply() alone touches none of torch's autograd classes (in one
+    process nothing changes); the first DDP built under it starts the watch, and revert() removes it."""
+    from torch.autograd.function import BackwardCFunction
+
+    ddp_patches.apply()
+    try:
+        assert "__init__" not in vars(BackwardCFunction)
+    finally:
+        ddp_patches.revert()
+    for r in pool.run(watch_installed_case):
+        assert r == {"apply": False, "ddp": True, "revert": False}
