@@ -190,12 +190,13 @@ def pydantic_model(model_name: str, prefix: str, module: str):
     is left out: a config written today says true or false."""
     from typing import Literal, Optional
 
-    from pydantic import Field, create_model
+    from pydantic import Field, StrictInt, create_model
 
     fields = {}
     for option in OPTIONS:
         if option.kind == "int":
-            fields[prefix + option.name] = (Optional[int], Field(default=None, ge=option.least))
+            # strict: a YAML ``true`` is not the count 1, as apply() refuses a bool there
+            fields[prefix + option.name] = (Optional[StrictInt], Field(default=None, ge=option.least))
         elif option.kind == "bool" or all(isinstance(choice, bool) for choice in option.choices):
             fields[prefix + option.name] = (Optional[bool], None)
         else:

@@ -86,6 +86,6 @@ def test_the_axolotl_schema_is_built_from_the_table():
     assert model(**good).ddp_patches_on_unsynced == "raise"
     for key, bad in (("ddp_patches_on_unsynced", "loud"), ("ddp_patches_tiled_mlp_shard_tokens", 0),
                      ("ddp_patches_offload_prefetch_depth", 0), ("ddp_patches_offload_min_bytes", -1),
-                     ("ddp_patches_offload", "auto")):
+                     ("ddp_patches_offload", "auto"), ("ddp_patches_replica_check_every", True)):
         with pytest.raises(pydantic.ValidationError, match=key):
             model(**{key: bad})
