@@ -754,7 +754,7 @@ def _reducer_prepared(ddp: nn.Module) -> bool:
 # leaves those it skips (below an output it ran through, not run) to a later backward through the same outputs
 # (NOTE [Several backwards of one forward]); the last stage fires what none reached. Freeing it, it is taken as a
 # full backward (the others are fired).
-# Test: tests/test_reach_backwards.py::test_backward_with_inputs_in_two_stages_trains_as_ddp_does.; Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
+# Test: tests/test_reach_backwards.py::test_backward_with_inputs_in_two_stages_trains_as_ddp_does; Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 def _static(ddp: nn.Module) -> bool:
     return bool(getattr(ddp, "static_graph", False))
 
