@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 ENABLE = "DDP_PATCHES_APPLY"
 LOG_LEVEL = "DDP_PATCHES_LOG_LEVEL"
 PREFIX = _options.ENV_PREFIX
+# Variables with the prefix that something other than an option reads: the validation harness's device choice.
+OTHER_VARIABLES = frozenset({ENABLE, LOG_LEVEL, "DDP_PATCHES_DEVICE"})
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 
 
@@ -177,6 +179,9 @@ def bootstrap() -> None:
         sys.stderr.write(f"{e}\n")
         sys.stderr.flush()
         os._exit(2)
+    if os.environ.get("RANK") == "0":  # one line per launch, from its rank 0
+        for line in unknown_variables(os.environ):
+            sys.stderr.write(f"WARNING {line}\n")
     if "torch" in sys.modules:  # imported by a .pth file before us: apply now
         apply_from_env()
     else:
@@ -190,6 +195,19 @@ def check_environment(environ: dict | None = None) -> dict:
     if level and not _is_level(level):
         raise ValueError(f"ddp_patches: {LOG_LEVEL}={level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
     return options_from_env(environ)
+
+
+def unknown_variables(environ: dict) -> list[str]:
+    """A line for each ``DDP_PATCHES_*`` variable that nothing reads: a misspelt option is not silently ignored."""
+    import difflib
+
+    known = sorted({env_name(name) for name in OPTIONS} | OTHER_VARIABLES)
+    lines = []
+    for name in sorted(k for k in environ if k.startswith(PREFIX) and k not in known):
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        hint = f"did you mean {close[0]}?" if close else "the variables are listed in docs/options.md"
+        lines.append(f"ddp_patches: {name} is not a variable ddp_patches reads, so it changes nothing ({hint})")
+    return lines
 
 
 def _is_level(text: str) -> bool:
