@@ -372,9 +372,26 @@ def check_replicas(tracked: Any, *, every: int = 1, on_divergence: str = "warn",
     differ = [(partner, theirs) for partner, theirs in found
               if theirs.numel() != mine.numel() or theirs.numpy().tobytes() != mine_bits]
     if differ:
-        _report_divergence(tracked, mine, differ, on_divergence)
+        if not tracked.drifted or on_divergence == "raise":
+            _report_divergence(tracked, mine, differ, on_divergence)
+        tracked.drifted = True
         return False
+    if tracked.drifted:
+        tracked.drifted = False
+        logger.warning("ddp_patches: rank %d: replica check before optimizer step %d of %s: the replicas agree "
+                       "again (NOTE [One ERROR per drift] in ddp_patches/replica_check.py)",
+                       me, tracked.steps, tracked.label)
     return True
+
+
+# NOTE [One ERROR per drift]
+# Invariant: a drift is reported once, where it is first seen, and its end is reported too; a log does not fill with
+# the same ERROR at every later check of a run whose replicas, once apart, stay apart (they do unless reloaded).
+# Rule: the first comparison that differs logs the ERROR (with on_unsynced="raise", each raises); later ones that
+# differ on that DDP say nothing; the first that agrees again logs one WARNING, and a new drift after it a new ERROR.
+# Per rank: each rank reports what it compared (the later of two ranks at a step count compares).
+# Test: tests/test_replica_check.py::test_a_drift_is_reported_once_and_its_end_too
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 
 
 KEPT_FINGERPRINTS = 4  # per rank and DDP: how many checks a partner may lag and still be compared

@@ -5,7 +5,9 @@ pattern, and the replica check catches a perturbed parameter without ever hangin
 from __future__ import annotations
 
 import logging
+import re
 import time
+
 
 import pytest
 import torch
@@ -35,9 +37,13 @@ def _ddp(module: nn.Module):
 
 
 def _reported(lines: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-    """Lines of several ranks, by step: a drift is reported by whichever rank compared
-    (NOTE [Replica check without a wait])."""
-    return sorted(lines, key=lambda line: line[0])
+    """Lines of several ranks, by step (the iteration recorded, then the optimizer step a message names): a drift
+    is reported by whichever rank compared (NOTE [Replica check without a wait])."""
+    def step(line: tuple[int, str, str]) -> tuple[int, int]:
+        named = re.search(r"optimizer step (\d+)", line[2])
+        return line[0], int(named.group(1)) if named else -1
+
+    return sorted(lines, key=step)
 
 
 def _in_sync(module: nn.Module) -> bool:
@@ -474,8 +480,9 @@ def test_replica_check_names_a_perturbed_parameter_within_n_steps(pool, perturb_
     rank0, rank1 = pool.run(replica_perturbed, every=every, perturb_before=perturb_before)
     reported = _reported(rank0["all"] + rank1["all"])  # by the rank that compared: the later one at that step
     assert reported == _reported(rank0["diverged"] + rank1["diverged"]), reported
-    checks = [1, 2, 3, 6] if caught_at == 1 else [6]  # once per check while it differs
-    assert sorted({s for s, _, _ in reported}) == checks, reported
+    # Once on each rank that compares, from the first check that differs (NOTE [One ERROR per drift])
+    assert min(s for s, _, _ in reported) == caught_at, reported
+    assert len(rank0["diverged"]) <= 1 and len(rank1["diverged"]) <= 1, reported
     step, level, message = reported[0]
     assert level == "ERROR" and step == caught_at and step - perturb_before + 1 <= every  # caught within N steps
     assert ("rank 1:" in message and "from rank 0's" in message) or \
@@ -580,10 +587,10 @@ def test_replica_check_stays_on_under_compile_and_catches_a_compiled_drift(pool)
                        replica_check_every=1, timeout=400)
     assert all(r["compiled"] == "OptimizedModule" and not r["in_sync"] for r in results), results
     assert len(results[0]["aside"]) == 1 and "replica check stays on" in results[0]["aside"][0][2]
-    # The first step was local on both ranks: the check before step 2 sees it, and every later check again, on the
-    # rank that compared (the later one at that step)
+    # The first step was local on both ranks: the check before step 2 sees it, on the rank that compared (the later
+    # one at that step)
     reported = _reported(results[0]["diverged"] + results[1]["diverged"])
-    assert sorted({s for s, _, _ in reported}) == [2, 3], reported
+    assert min(s for s, _, _ in reported) == 2, reported  # then once per comparing rank: NOTE [One ERROR per drift]
     assert all(level == "ERROR" for _, level, _ in reported)
 
 
