@@ -258,7 +258,8 @@ class _TimedHooks:
 
     def __init__(self, ddp, timers: _HookTimers) -> None:
         import torch.distributed as dist
-        from ddp_patches import guard, reach
+        from ddp_patches.guard import unsynced as guard
+        from ddp_patches.rescue import edges as reach
 
         self._class_attrs = [(reach._Recorder, "__call__", "post_hooks"),
                              (reach.UnusedParameterEdges, "backward_started", "backward_start"),
@@ -274,7 +275,7 @@ class _TimedHooks:
     def _split_ddp_finalize(self) -> None:
         """NOTE [DDP's finalize inside the settle]."""
         import torch
-        from ddp_patches import reach
+        from ddp_patches.rescue import edges as reach
 
         timers, mark = self._timers, {}
         fire = getattr(reach, "_FireHooks", None)
@@ -304,7 +305,8 @@ class _TimedHooks:
 
     @staticmethod
     def _key(hook) -> str | None:
-        from ddp_patches import guard, reach, trainable_set
+        from ddp_patches.guard import unsynced as guard
+        from ddp_patches.rescue import edges as reach, trainable_set
 
         owner = getattr(hook, "__self__", hook)
         if isinstance(owner, reach.UnusedParameterEdges):
@@ -345,7 +347,7 @@ class _TimedHooks:
 def time_hooks(ddp, step, steps: int, sync) -> dict:
     """``steps`` steps with the hooks timed (their own step times are inflated by the timers: not compared).
     Per step: exclusive microseconds and calls per hook key, parameters the settle fired, the step's time."""
-    from ddp_patches import reach
+    from ddp_patches.rescue import edges as reach
 
     timers, per_step = _HookTimers(), []
     edges = reach.for_ddp(ddp) if hasattr(ddp, "module") else None

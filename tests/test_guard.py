@@ -1,4 +1,4 @@
-"""ddp_patches/guard.py on 2 gloo ranks fed different data: the unsynchronised-gradient guard warns (or raises) at the
+"""ddp_patches/guard/ on 2 gloo ranks fed different data: the unsynchronised-gradient guard warns (or raises) at the
 first optimizer step of a loss computed through ``.module`` / an unwrapped model, stays silent for every correct
 pattern, and the replica check catches a perturbed parameter without ever hanging."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ddp_patches
-from ddp_patches import guard, replica_check
+from ddp_patches.guard import replica_check, unsynced as guard
 from tests._helpers import LibraryLog as _Capture  # also imported from here by other test files
 
 UNSYNCED = "never averaged"

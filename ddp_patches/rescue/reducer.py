@@ -1,5 +1,5 @@
 """What happens when a DistributedDataParallel is built under apply(): the reducer keeps the settings the user
-chose (NOTE [find_unused is the user's]); the instance gets the unused-parameter rescue (``reach``), the
+chose (NOTE [find_unused is the user's]); the instance gets the unused-parameter rescue (``edges``), the
 trainable-set guard (``trainable_set``), teardown and guard tracking; and ``no_sync()`` makes the first backward
 of a static graph a synced one (NOTE [static graph first step]). Settings are logged once on rank 0 at INFO.
 """
@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpointing, chunked_loss, engines, guard, probes, reach, teardown, tiled_mlp, trainable_set
-from .trainable_set import TrainableParametersChangedError  # noqa: F401  (its old home)
-from ._registry import REGISTRY
-from .distributed import is_distributed, log_rank0_once
+from .. import checkpointing, chunked_loss, engines, probes, tiled_mlp
+from .._registry import REGISTRY
+from ..distributed import is_distributed, log_rank0_once
+from ..guard import unsynced as guard
+from . import edges, teardown, trainable_set
 
 logger = logging.getLogger("ddp_patches")
 
@@ -30,10 +30,10 @@ _REPORTED = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"
 # Invariant: DistributedDataParallel is built with exactly the settings it was given (by the user, the Trainer, TRL
 # or accelerate): the library never changes find_unused_parameters or static_graph.
 # Rule: what find_unused_parameters=True is for -- a trainable parameter without a gradient on some rank -- is
-# handled by ``reach``, and only where the reducer does not search itself. Forcing the flag would break working
-# patterns: under accelerate's ``trigger_sync_in_backward``, prepare_for_backward([]) marks every parameter unused
-# and its real hook then marks it again ("marked as ready twice"); a PowerSGD hook's ranks fall out of step; and
-# every step pays an extra all-reduce and loses the bucket rebuild. With non-reentrant checkpointing
+# handled by ``ddp_patches.rescue``, and only where the reducer does not search itself. Forcing the flag would
+# break working patterns: under accelerate's ``trigger_sync_in_backward``, prepare_for_backward([]) marks every
+# parameter unused and its real hook then marks it again ("marked as ready twice"); a PowerSGD hook's ranks fall out
+# of step; and every step pays an extra all-reduce and loses the bucket rebuild. With non-reentrant checkpointing
 # (ddp_patches.checkpointing) both values of the flag and static_graph train.
 # Test: tests/test_reach.py::test_ddp_settings_are_passed_through_untouched
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §4
@@ -49,11 +49,11 @@ def _patched_ddp_init(original_init):
         tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
         chunked_loss.note_fused(self.module)  # no-op unless apply(chunked_loss=True): NOTE [When the chunked loss acts]
         trainable_set.TrainableGuard(self).install(self)  # before reach: its hooks see DDP's own outputs
-        reach.watch_custom_functions()  # once, at the first DDP: NOTE [No walk without a custom Function]
-        reach.install(self)
+        edges.watch_custom_functions()  # once, at the first DDP: NOTE [No walk without a custom Function]
+        edges.install(self)
         teardown.track(self)
-        guard.track(self)  # no-op unless the guard is on (ddp_patches/guard.py, replica_check.py)
-        _log_settings(self, reach.needed(self))
+        guard.track(self)  # no-op unless the guard is on (ddp_patches/guard/)
+        _log_settings(self, edges.needed(self))
 
     return __init__
 
@@ -66,7 +66,7 @@ def warn_unprotected() -> None:
     import gc
 
     # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises
-    count = sum(1 for o in gc.get_objects() if issubclass(type(o), DDP) and reach.for_ddp(o) is None)
+    count = sum(1 for o in gc.get_objects() if issubclass(type(o), DDP) and edges.for_ddp(o) is None)
     if count:
         log_rank0_once("unprotected-ddp", logging.WARNING,
                        "ddp_patches: %d DistributedDataParallel instance(s) were built before apply() and are not "
@@ -74,10 +74,10 @@ def warn_unprotected() -> None:
                        "DDP, the Trainer or accelerator.prepare", count)
 
 
-def _log_settings(ddp: DDP, edges: bool) -> None:
+def _log_settings(ddp: DDP, rescued: bool) -> None:
     settings = ", ".join(f"{k}={getattr(ddp, k, None)}" for k in _REPORTED if hasattr(ddp, k))
-    how = ("a parameter without a gradient fires its hook once at the end of backward (ddp_patches.reach)" if edges
-           else "unused parameters are found by DDP itself")
+    how = ("a parameter without a gradient fires its hook once at the end of backward (ddp_patches.rescue)"
+           if rescued else "unused parameters are found by DDP itself")
     log_rank0_once(f"ddp-settings:{settings}", logging.INFO,
                    "ddp_patches: DistributedDataParallel built with %s (as given); %s", settings, how)
 
@@ -140,7 +140,7 @@ ASSUMPTIONS = (
     probes.Assumption("ddp-attributes", "DistributedDataParallel keeps find_unused_parameters, static_graph, "
                       "require_backward_grad_sync, parameters_to_ignore, process_group, reducer and "
                       "_active_ddp_module as attributes", _check_ddp_attributes),
-    *reach.ASSUMPTIONS,
+    *edges.ASSUMPTIONS,
 )
 NO_SYNC_ASSUMPTIONS = (
     probes.Assumption("static-graph-flag", "DDP records its first static-graph delayed all-reduce in "
@@ -155,7 +155,7 @@ def install() -> list[str]:
         return []
     _patch_ddp_init()
     trainable_set.watch_registrations()
-    targets = [TARGETS[0], *reach.patch_join_hook(), *reach.patch_finalize_backward()]
+    targets = [TARGETS[0], *edges.patch_join_hook(), *edges.patch_finalize_backward()]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()

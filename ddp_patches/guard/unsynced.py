@@ -2,7 +2,7 @@
 
 The unsynchronised-gradient guard (here) announces a step about to apply gradients DDP never averaged (a loss
 through ``.module``): one WARNING per rank, or ``UnsynchronizedGradientsError`` with ``on_unsynced="raise"``. The
-replica check (``ddp_patches.replica_check``) compares the ranks' parameters before steps 1, 2 and every
+replica check (``ddp_patches.guard.replica_check``) compares the ranks' parameters before steps 1, 2 and every
 ``replica_check_every``-th. Both act only for DDPs built under apply() in a distributed process (NOTE [Engines]).
 """
 
@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import engines, replica_check
-from ._registry import REGISTRY
-from .distributed import is_distributed, log_rank0_once
-from .replica_check import DEFAULT_REPLICA_CHECK_EVERY, ReplicaDivergenceError  # noqa: F401  (its old home)
+from .. import engines
+from .._registry import REGISTRY
+from ..distributed import is_distributed, log_rank0_once
+from . import replica_check
 
 logger = logging.getLogger("ddp_patches")
 
@@ -179,8 +179,8 @@ class _Counter:
         self.tracked.stepped_aside = True
         log_rank0_once(f"guard-aside-{self.tracked.index}", logging.WARNING,
                        "ddp_patches: the unsynchronised-gradient guard steps aside for %s under torch.compile: %s; "
-                       "the replica check stays on (NOTE [Engines] in ddp_patches/engines.py)", self.tracked.label,
-                       why)
+                       "the replica check stays on (NOTE [Engines] in ddp_patches/engines/__init__.py)",
+                       self.tracked.label, why)
 
 
 class _Written:
@@ -437,7 +437,7 @@ def _report_unsynced(tracked: _Tracked, name: str) -> None:
         "(accelerator.unwrap_model(model)(...), a fused-loss kernel such as Liger's that calls the inner model, a "
         "helper that unwraps). Fix: run every forward whose loss you backpropagate through the DDP wrapper (at "
         "least the last micro-step before each optimizer step, outside no_sync()); unwrap only for inference and "
-        "generation. (NOTE [Which gradients DDP never averaged] in ddp_patches/guard.py; "
+        "generation. (NOTE [Which gradients DDP never averaged] in ddp_patches/guard/unsynced.py; "
         "apply(on_unsynced='raise') makes this an error, 'off' silences it.)"
     )
     if _settings.on_unsynced == "raise":

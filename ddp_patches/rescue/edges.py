@@ -25,9 +25,9 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.algorithms.join import JoinHook
 from torch.utils import _pytree as pytree
 
-from . import engines, probes
-from ._registry import REGISTRY
-from .distributed import log_rank0_once
+from .. import engines, probes
+from .._registry import REGISTRY
+from ..distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 _SETTLE_LOCK = threading.Lock()
@@ -111,7 +111,7 @@ _NO_NESTED_BACKWARD = frozenset({
     "torch.nn.modules._functions.SyncBatchNorm", "torch.nn.modules._functions.CrossMapLRN2d",
     "bitsandbytes.autograd._functions.MatMul4Bit", "bitsandbytes.autograd._functions.MatMul8bitLt",
     "bitsandbytes.autograd._functions.MatMul8bitFp",
-    "ddp_patches.reach._BackwardStart", "ddp_patches.reach._FireHooks",
+    "ddp_patches.rescue.edges._BackwardStart", "ddp_patches.rescue.edges._FireHooks",
     "ddp_patches.tiled_mlp.SaveMLPInput", "ddp_patches.tiled_mlp.TiledMLPFunction",
     "torch.utils.checkpoint._NoopSaveInputs",  # held by a non-reentrant checkpoint's frame, never backpropagated
 })
@@ -410,7 +410,7 @@ class UnusedParameterEdges:
         if self._retired:
             log_rank0_once("retired-edges", logging.WARNING,
                            "ddp_patches: a DistributedDataParallel runs whose module a newer one wraps; only the newest "
-                           "is protected against parameters without a gradient (ddp_patches.reach.install)")
+                           "is protected against parameters without a gradient (ddp_patches.rescue.edges.install)")
         # Under dynamo the outputs cannot be wrapped (no autograd graph while tracing): step aside (NOTE [Engines]).
         self._active = (not self._retired and torch.is_grad_enabled() and needed(ddp)
                         and not engines.compiling())
@@ -434,7 +434,7 @@ class UnusedParameterEdges:
                        "ddp_patches: the last forward's outputs lead to %d trainable parameter(s) (e.g. %s) that no "
                        "backward reached, and no backward ran through those outputs before this forward: their DDP "
                        "hooks were left to that backward, so DDP's reduction of the last step is unfinished, as "
-                       "without the library (NOTE [Several backwards of one forward] in ddp_patches/reach.py)",
+                       "without the library (NOTE [Several backwards of one forward] in ddp_patches/rescue/edges.py)",
                        len(missing), missing[0] if missing else "?")
 
     def _attach(self, ddp, args, output):
@@ -483,7 +483,7 @@ class UnusedParameterEdges:
             "gradient on this rank and fired its DDP hook empty. DDP alone raises \"Expected to mark a variable "
             "ready only once\" here; its reducer now ignores these gradients, so they would stay unaveraged. Sum the "
             "losses into one backward, or run a forward per backward (NOTE [A backward after the reduction] in "
-            "ddp_patches/reach.py).")
+            "ddp_patches/rescue/edges.py).")
 
     def _refuse_a_gradient_after_the_reduction(self, index: int) -> None:
         """NOTE [A backward after the reduction], for a backward that does not pass the DDP's outputs."""
@@ -493,7 +493,7 @@ class UnusedParameterEdges:
             "this rank, so its DDP hook was fired with no gradient, and the reducer would now ignore this gradient "
             "(unaveraged). Without the library DDP waits for it here. Compute that loss before the first backward "
             "and sum the losses, or pass find_unused_parameters=True (NOTE [A backward after the reduction] in "
-            "ddp_patches/reach.py).")
+            "ddp_patches/rescue/edges.py).")
 
     def _fire_unreachable(self, ddp: nn.Module, node: Any) -> None:
         """NOTE [Unused parameters marked where DDP marks them]: at the start of the backward, the parameters
@@ -506,7 +506,7 @@ class UnusedParameterEdges:
         unreachable = list(itertools.compress(range(len(runs)), runs.translate(_FLIP)))
         if self._fired:
             unreachable = list(itertools.filterfalse(self._fired.__contains__, unreachable))
-        # A parameter frozen since the DDP was built has no edge to fire: ddp_patches/reducer.py names it instead
+        # A parameter frozen since the DDP was built has no edge to fire: the trainable-set guard names it instead
         # (NOTE [A frozen parameter is judged at the backward]).
         params = _pick(self._params, unreachable)
         trainable = bytearray(map(_REQUIRES_GRAD, params))
@@ -611,7 +611,7 @@ class UnusedParameterEdges:
             log_rank0_once("unused-edges", logging.INFO,
                            "ddp_patches: %d trainable parameter(s) got no gradient in this backward (e.g. %s); each "
                            "fires its DDP hook once with no gradient "
-                           "(NOTE [Unused parameters without find_unused_parameters] in ddp_patches/reach.py)",
+                           "(NOTE [Unused parameters without find_unused_parameters] in ddp_patches/rescue/edges.py)",
                            len(early) + len(late),
                            self._names[first])
         context = self._other_collectives(ddp, graph) if late else None
@@ -649,7 +649,7 @@ class UnusedParameterEdges:
             "with the wrong collective, so this step's gradients are not trusted. Give this DDP its own group "
             "(process_group=torch.distributed.new_group(...)), or pass find_unused_parameters=True, or make the "
             "Function non-reentrant (NOTE [Unused parameters marked where DDP marks them] in "
-            "ddp_patches/reach.py).")
+            "ddp_patches/rescue/edges.py).")
 
     # NOTE [Unused everywhere ends with grad None]
     # Invariant: a parameter that no rank used in a synced step ends with ``.grad`` None, as with
@@ -1019,7 +1019,7 @@ def _check_autograd_hooks() -> None:
     """A post-hook on a leaf's AccumulateGrad node runs in its backward; a final callback queued from a Function's
     backward runs after it, in the same graph task, and can run a nested backward that fires another node's hook
     with no gradient, leaving that leaf's .grad None (what ``_settle`` does)."""
-    from .probes import expect
+    from ..probes import expect
 
     p, q = (torch.ones(2, dtype=torch.float32, requires_grad=True) for _ in range(2))
     events: list = []
