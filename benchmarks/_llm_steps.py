@@ -258,15 +258,15 @@ class _TimedHooks:
 
     def __init__(self, ddp, timers: _HookTimers) -> None:
         import torch.distributed as dist
-        from ddp_patches.guard import unsynced as guard
-        from ddp_patches.rescue import edges as reach
+        from ddp_patches.guard import steps as guard_steps, unsynced as guard
+        from ddp_patches.rescue import counts, edges as reach
 
         self._class_attrs = [(reach._Recorder, "__call__", "post_hooks"),
                              (reach.UnusedParameterEdges, "backward_started", "backward_start"),
                              (reach.UnusedParameterEdges, "_settle", "settle"),
-                             (reach.UnusedParameterEdges, "_reset_unused_everywhere", "reset_unused"),
+                             (counts.CountAllReduce, "_reset_unused_everywhere", "reset_unused"),
                              (guard._Written, "__call__", "guard_post_accumulate"),
-                             (guard, "_check_step", "guard_step"),  # a module global, looked up by _pre_step
+                             (guard_steps, "_check_step", "guard_step"),  # a module global, looked up by _pre_step
                              # looked up on the module by _reset_unused_everywhere; nothing else in a step calls it
                              (dist, "all_reduce", "settle_all_reduce")]
         self._forward = (getattr(ddp, "_forward_pre_hooks", {}), getattr(ddp, "_forward_hooks", {}))

@@ -104,7 +104,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddp_patches
-    from ddp_patches.guard import replica_check, unsynced as guard
+    from ddp_patches.guard import replica_check, steps as guard_steps, unsynced as guard
 
     from benchmarks._common import leave_group
 
@@ -139,7 +139,7 @@ def worker(args) -> None:
             start = time.perf_counter()
             for p in params:
                 hook(p)  # a backward calls it once per trainable tensor
-            guard._pre_step(optims["with"], (), {})
+            guard_steps._pre_step(optims["with"], (), {})
             overhead.append(time.perf_counter() - start)
         checks = []
         for i in range(10):

@@ -17,7 +17,7 @@ from . import tiled_attention as _tiled_attention_patch
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from .engines import zero as _zero
-from .guard import unsynced as _guard
+from .guard import steps as _guard
 from .rescue import reducer as _reducer_patch
 from .rescue import teardown as _teardown
 from ._registry import REGISTRY

@@ -39,7 +39,7 @@ def test_static_graph_fire_carries_a_defined_zero():
 
 
 def test_tensors_are_found_as_ddp_finds_them():
-    from ddp_patches.rescue.edges import map_tensors
+    from ddp_patches.rescue.outputs import map_tensors
 
     @__import__("dataclasses").dataclass(frozen=True)
     class Inner:

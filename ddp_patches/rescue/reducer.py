@@ -10,13 +10,17 @@ import contextlib
 import logging
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import checkpointing, chunked_loss, engines, probes, tiled_mlp
 from .._registry import REGISTRY
 from ..distributed import is_distributed, log_rank0_once
 from ..guard import unsynced as guard
-from . import edges, teardown, trainable_set
+from . import edges, graph, join, teardown, trainable_set
+from .counts import needed
+from .edges import _FireHooks
+from .graph import _ProbeStart
 
 logger = logging.getLogger("ddp_patches")
 
@@ -49,11 +53,11 @@ def _patched_ddp_init(original_init):
         tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
         chunked_loss.note_fused(self.module)  # no-op unless apply(chunked_loss=True): NOTE [When the chunked loss acts]
         trainable_set.TrainableGuard(self).install(self)  # before reach: its hooks see DDP's own outputs
-        edges.watch_custom_functions()  # once, at the first DDP: NOTE [No walk without a custom Function]
+        graph.watch_custom_functions()  # once, at the first DDP: NOTE [No walk without a custom Function]
         edges.install(self)
         teardown.track(self)
         guard.track(self)  # no-op unless the guard is on (ddp_patches/guard/)
-        _log_settings(self, edges.needed(self))
+        _log_settings(self, needed(self))
 
     return __init__
 
@@ -136,11 +140,43 @@ def _check_static_graph_flag() -> None:
     probes.source_mentions(DDP, "_static_graph_delay_allreduce_enqueued")
 
 
+def _check_autograd_hooks() -> None:
+    """A post-hook on a leaf's AccumulateGrad node runs in its backward; a final callback queued from a Function's
+    backward runs after it, in the same graph task, and can run a nested backward that fires another node's hook
+    with no gradient, leaving that leaf's .grad None (what ``_settle`` does)."""
+    from ..probes import expect
+
+    p, q = (torch.ones(2, dtype=torch.float32, requires_grad=True) for _ in range(2))
+    events: list = []
+    p_node, q_node = get_gradient_edge(p).node, get_gradient_edge(q).node
+    handles = [p_node.register_hook(lambda gi, go: events.append("p")),
+               q_node.register_hook(lambda gi, go: events.append("q"))]
+
+    def settle(will_run, task):
+        events.append(("callback", will_run, task == torch._C._current_graph_task_id() != -1))
+        with torch.enable_grad():
+            out = _FireHooks.apply(False, q)
+        out.backward()  # no explicit gradient: that path imports sympy (0.5 s at apply())
+
+    try:
+        (_ProbeStart.apply(settle, p_node, p * 2)).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    expect(events == ["p", ("callback", True, True), "q"],
+           f"hooks and final callback ran as {events}, expected p's hook, the callback in that task, q's hook")
+    expect(q.grad is None and torch.equal(p.grad, torch.full((2,), 2.0, dtype=torch.float32)),
+           "a hook fired with no gradient wrote one")
+
+
 ASSUMPTIONS = (
     probes.Assumption("ddp-attributes", "DistributedDataParallel keeps find_unused_parameters, static_graph, "
                       "require_backward_grad_sync, parameters_to_ignore, process_group, reducer and "
                       "_active_ddp_module as attributes", _check_ddp_attributes),
-    *edges.ASSUMPTIONS,
+    *join.ASSUMPTIONS,
+    probes.Assumption("autograd-hooks", "AccumulateGrad post-hooks, torch._C._current_graph_task_id, "
+                      "torch._C._will_engine_execute_node and final callbacks queued from a backward run as "
+                      "NOTE [Unused parameters without find_unused_parameters] describes", _check_autograd_hooks),
 )
 NO_SYNC_ASSUMPTIONS = (
     probes.Assumption("static-graph-flag", "DDP records its first static-graph delayed all-reduce in "
@@ -155,7 +191,7 @@ def install() -> list[str]:
         return []
     _patch_ddp_init()
     trainable_set.watch_registrations()
-    targets = [TARGETS[0], *edges.patch_join_hook(), *edges.patch_finalize_backward()]
+    targets = [TARGETS[0], *join.patch_join_hook(), *join.patch_finalize_backward()]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import engines
 from .._registry import REGISTRY
 from ..distributed import log_rank0_once
-from . import edges
+from .counts import needed
+from .outputs import map_tensors
 
 
 class TrainableParametersChangedError(RuntimeError):
@@ -68,7 +69,7 @@ class TrainableGuard:
         if current - self.expected:
             raise TrainableParametersChangedError(_changed_message(self.expected, current))
         frozen = self.expected - current
-        if not edges.needed(ddp):  # the reducer searches for unused parameters itself
+        if not needed(ddp):  # the reducer searches for unused parameters itself
             log_rank0_once("frozen-after-wrapping", logging.INFO,
                            "ddp_patches: %d parameter(s) frozen after DistributedDataParallel was built (e.g. %s); "
                            "find_unused_parameters=True: the reducer treats them as unused, as without the library",
@@ -79,7 +80,7 @@ class TrainableGuard:
     def after_forward(self, ddp: DDP, args: Any, output: Any) -> None:
         watch, self._watch = self._watch, frozenset()
         if watch:
-            edges.map_tensors(output, _in_graph, lambda ts: [self._judge_at_backward(t, ddp, watch) for t in ts])
+            map_tensors(output, _in_graph, lambda ts: [self._judge_at_backward(t, ddp, watch) for t in ts])
 
     def _judge_at_backward(self, t: torch.Tensor, ddp: DDP, watch: frozenset[str]) -> torch.Tensor:
         t.register_hook(lambda grad: self._check_backward(ddp, watch))
