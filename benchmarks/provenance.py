@@ -19,7 +19,7 @@ import tokenize
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OFFLOAD = [f"ddp_patches/offload/{n}.py" for n in ("copier", "offloader", "pinned_pool", "policy", "probes",
                                                      "restore", "window")]
-_RESCUE = [f"ddp_patches/rescue/{n}.py" for n in ("counts", "edges", "graph", "join", "outputs", "reducer",
+_RESCUE = [f"ddp_patches/rescue/{n}.py" for n in ("built", "counts", "edges", "graph", "join", "outputs", "reducer",
                                                   "trainable_set")]
 _GUARD = [f"ddp_patches/guard/{n}.py" for n in ("steps", "unsynced", "replica_check")]
 _DDP_CORE = [*_RESCUE, "ddp_patches/checkpointing.py", *_GUARD, "ddp_patches/engines/__init__.py"]

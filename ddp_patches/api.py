@@ -18,6 +18,7 @@ from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
 from .engines import zero as _zero
 from .guard import steps as _guard
+from .rescue import built as _built
 from .rescue import reducer as _reducer_patch
 from .rescue import teardown as _teardown
 from ._registry import REGISTRY
@@ -154,8 +155,9 @@ def apply(
         if options["checkpointing"] or tiled or options["offload"] is not False:
             on_built = (_tiled_mlp_patch.discover,) if tiled else ()  # it discovers tiled attention too
             installed += _zero.install(on_built)  # which modules a DeepSpeed engine runs (NOTE [Engines])
-        installed += _guard.install(on_unsynced=options["on_unsynced"],
-                                    replica_check_every=options["replica_check_every"])
+        guard = _guard.install(on_unsynced=options["on_unsynced"], replica_check_every=options["replica_check_every"])
+        # the guard tracks each DDP built, with or without the reducer (NOTE [One owner of DDP.__init__])
+        installed += guard + (_built.install(guard_tracking=True) if guard else [])
         _engines.install_compile_notice()
     except BaseException:
         REGISTRY.restore_all()  # all or nothing, and no probe verdict left behind for the next apply()

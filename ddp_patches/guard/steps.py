@@ -1,7 +1,7 @@
 """The guard's optimizer step hooks (torch's global step pre- and post-hooks): before each outermost step, the
 unsynchronised-gradient check (``UnsynchronizedGradientsError`` with ``on_unsynced="raise"``, else one WARNING per
 rank) and the replica check (``replica_check``) for the DDPs ``unsynced`` tracks; Join's exit starts a new segment
-of step counts. ``install`` registers them and, without the reducer patches, tracks each DDP built.
+of step counts. ``install`` registers them (the DDP tracking is turned on in ddp_patches/rescue/built.py).
 """
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import engines
 from .._registry import REGISTRY
 from ..distributed import is_distributed
 from . import replica_check
 from .unsynced import (TARGETS, UnsynchronizedGradientsError, _by_ddp, _owner, _owners_changed, _settings,
-                       _Tracked, track)
+                       _Tracked)
 
 logger = logging.getLogger("ddp_patches")
 
@@ -297,20 +296,9 @@ class _Handles:
         _nesting["depth"] = 0
 
 
-def _tracking_init(original_init):
-    """DDP.__init__ that tracks the instance; used only when apply(reducer=False) (the reducer's own __init__
-    calls ``track`` otherwise)."""
-
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        if is_distributed():
-            track(self)
-
-    return __init__
-
-
 def install(*, on_unsynced: str, replica_check_every: int) -> list[str]:
-    """Register the global optimizer step hooks; track every DDP built from now on. Nothing when both are off."""
+    """Register the global optimizer step hooks and Join's exit. Nothing when both are off; apply() then turns on
+    the tracking of every DDP built from now on (NOTE [One owner of DDP.__init__] in ddp_patches/rescue/built.py)."""
     if on_unsynced == "off" and not replica_check_every:
         return []
     _settings.on_unsynced = on_unsynced
@@ -322,7 +310,4 @@ def install(*, on_unsynced: str, replica_check_every: int) -> list[str]:
 
     REGISTRY.install(Join, "__exit__", _join_exit)  # NOTE [Join ends a segment of step counts]
     installed.append("torch.distributed.algorithms.join.Join.__exit__")
-    if not REGISTRY.is_patched(DDP, "__init__"):
-        REGISTRY.install(DDP, "__init__", _tracking_init)
-        installed.append("DistributedDataParallel.__init__")
     return installed

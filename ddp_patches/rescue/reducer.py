@@ -1,7 +1,7 @@
-"""What happens when a DistributedDataParallel is built under apply(): the reducer keeps the settings the user
-chose (NOTE [find_unused is the user's]); the instance gets the unused-parameter rescue (``edges``), the
-trainable-set guard (``trainable_set``), teardown and guard tracking; and ``no_sync()`` makes the first backward
-of a static graph a synced one (NOTE [static graph first step]). Settings are logged once on rank 0 at INFO.
+"""The reducer patches of apply(reducer=True): ``install`` turns on what runs when a DDP is built (``built``: the
+unused-parameter rescue, the trainable-set guard, teardown), patches Join and manual finalization (``join``) and
+``destroy_process_group`` (``teardown``), and makes ``no_sync()`` leave the first backward of a static graph
+synced (NOTE [static graph first step]). What these patches assume of torch is probed first.
 """
 
 from __future__ import annotations
@@ -13,53 +13,16 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import checkpointing, chunked_loss, engines, probes, tiled_mlp
+from .. import probes
 from .._registry import REGISTRY
 from ..distributed import is_distributed, log_rank0_once
-from ..guard import unsynced as guard
-from . import edges, graph, join, teardown, trainable_set
-from .counts import needed
+from . import built, edges, join, teardown, trainable_set
 from .edges import _FireHooks
 from .graph import _ProbeStart
 
 logger = logging.getLogger("ddp_patches")
 
-TARGETS = ("DistributedDataParallel.__init__", "DistributedDataParallel.no_sync")
-
-# The DDP settings worth reporting in the one log line.
-_REPORTED = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb")
-
-
-# NOTE [find_unused is the user's]
-# Invariant: DistributedDataParallel is built with exactly the settings it was given (by the user, the Trainer, TRL
-# or accelerate): the library never changes find_unused_parameters or static_graph.
-# Rule: what find_unused_parameters=True is for -- a trainable parameter without a gradient on some rank -- is
-# handled by ``ddp_patches.rescue``, and only where the reducer does not search itself. Forcing the flag would
-# break working patterns: under accelerate's ``trigger_sync_in_backward``, prepare_for_backward([]) marks every
-# parameter unused and its real hook then marks it again ("marked as ready twice"); a PowerSGD hook's ranks fall out
-# of step; and every step pays an extra all-reduce and loses the bucket rebuild. With non-reentrant checkpointing
-# (ddp_patches.checkpointing) both values of the flag and static_graph train.
-# Test: tests/test_reach.py::test_ddp_settings_are_passed_through_untouched
-# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §4
-def _patched_ddp_init(original_init):
-    def __init__(self, *args, **kwargs):
-        module = args[0] if args else kwargs.get("module")
-        if is_distributed() and isinstance(module, torch.nn.Module):
-            checkpointing.check_recompute_routing(module)  # before DDP's first collective, on every rank alike
-        original_init(self, *args, **kwargs)  # the settings as given: NOTE [find_unused is the user's]
-        if not is_distributed():
-            return
-        engines.own(self)  # NOTE [The engine is the module's owner's]
-        tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
-        chunked_loss.note_fused(self.module)  # no-op unless apply(chunked_loss=True): NOTE [When the chunked loss acts]
-        trainable_set.TrainableGuard(self).install(self)  # before reach: its hooks see DDP's own outputs
-        graph.watch_custom_functions()  # once, at the first DDP: NOTE [No walk without a custom Function]
-        edges.install(self)
-        teardown.track(self)
-        guard.track(self)  # no-op unless the guard is on (ddp_patches/guard/)
-        _log_settings(self, needed(self))
-
-    return __init__
+TARGETS = (built.TARGET, "DistributedDataParallel.no_sync")
 
 
 def warn_unprotected() -> None:
@@ -76,14 +39,6 @@ def warn_unprotected() -> None:
                        "ddp_patches: %d DistributedDataParallel instance(s) were built before apply() and are not "
                        "protected (no unused-parameter rescue, no trainable-set check); call apply() before building "
                        "DDP, the Trainer or accelerator.prepare", count)
-
-
-def _log_settings(ddp: DDP, rescued: bool) -> None:
-    settings = ", ".join(f"{k}={getattr(ddp, k, None)}" for k in _REPORTED if hasattr(ddp, k))
-    how = ("a parameter without a gradient fires its hook once at the end of backward (ddp_patches.rescue)"
-           if rescued else "unused parameters are found by DDP itself")
-    log_rank0_once(f"ddp-settings:{settings}", logging.INFO,
-                   "ddp_patches: DistributedDataParallel built with %s (as given); %s", settings, how)
 
 
 # NOTE [static graph first step]
@@ -119,10 +74,6 @@ def _patched_no_sync(original_no_sync):
             yield
 
     return no_sync
-
-
-def _patch_ddp_init() -> None:
-    REGISTRY.install(DDP, "__init__", _patched_ddp_init)
 
 
 def _patch_ddp_no_sync() -> None:
@@ -189,9 +140,9 @@ def install() -> list[str]:
     if not probes.verify("reducer", ASSUMPTIONS, "DDP runs as without the library (no unused-parameter rescue, no "
                          "trainable-set check, no static-graph first sync)"):
         return []
-    _patch_ddp_init()
+    targets = built.install(rescue=True)
     trainable_set.watch_registrations()
-    targets = [TARGETS[0], *join.patch_join_hook(), *join.patch_finalize_backward()]
+    targets += [*join.patch_join_hook(), *join.patch_finalize_backward()]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()
