@@ -20,7 +20,7 @@ EXIT_ABORT = "terminate called without an active exception"
 def aborted_only_at_exit(returncode: int, output: str) -> bool:
     """A torchrun whose only failure is torch's exit-time abort: a gloo worker still alive, or freeing its last
     work, as the interpreter finalises (NOTE [Groups held by default arguments] and NOTE [A pause at exit] in
-    ddp_patches/teardown.py). No rank raised: the one traceback in ``output`` (stdout and stderr) is torchrun's
+    ddp_patches/rescue/teardown.py). No rank raised: the one traceback in ``output`` (stdout and stderr) is torchrun's
     own ChildFailedError. Whether the run's work was done before the abort is for the caller to establish."""
     return (returncode != 0 and EXIT_ABORT in output and "SIGABRT" in output and "ChildFailedError" in output
             and output.count("Traceback (most recent call last)") == 1)

@@ -258,14 +258,15 @@ class _TimedHooks:
 
     def __init__(self, ddp, timers: _HookTimers) -> None:
         import torch.distributed as dist
-        from ddp_patches import guard, reach
+        from ddp_patches.guard import steps as guard_steps, unsynced as guard
+        from ddp_patches.rescue import counts, edges as reach
 
         self._class_attrs = [(reach._Recorder, "__call__", "post_hooks"),
                              (reach.UnusedParameterEdges, "backward_started", "backward_start"),
                              (reach.UnusedParameterEdges, "_settle", "settle"),
-                             (reach.UnusedParameterEdges, "_reset_unused_everywhere", "reset_unused"),
+                             (counts.CountAllReduce, "_reset_unused_everywhere", "reset_unused"),
                              (guard._Written, "__call__", "guard_post_accumulate"),
-                             (guard, "_check_step", "guard_step"),  # a module global, looked up by _pre_step
+                             (guard_steps, "_check_step", "guard_step"),  # a module global, looked up by _pre_step
                              # looked up on the module by _reset_unused_everywhere; nothing else in a step calls it
                              (dist, "all_reduce", "settle_all_reduce")]
         self._forward = (getattr(ddp, "_forward_pre_hooks", {}), getattr(ddp, "_forward_hooks", {}))
@@ -274,7 +275,7 @@ class _TimedHooks:
     def _split_ddp_finalize(self) -> None:
         """NOTE [DDP's finalize inside the settle]."""
         import torch
-        from ddp_patches import reach
+        from ddp_patches.rescue import edges as reach
 
         timers, mark = self._timers, {}
         fire = getattr(reach, "_FireHooks", None)
@@ -304,7 +305,8 @@ class _TimedHooks:
 
     @staticmethod
     def _key(hook) -> str | None:
-        from ddp_patches import guard, reach, trainable_set
+        from ddp_patches.guard import unsynced as guard
+        from ddp_patches.rescue import edges as reach, trainable_set
 
         owner = getattr(hook, "__self__", hook)
         if isinstance(owner, reach.UnusedParameterEdges):
@@ -345,7 +347,7 @@ class _TimedHooks:
 def time_hooks(ddp, step, steps: int, sync) -> dict:
     """``steps`` steps with the hooks timed (their own step times are inflated by the timers: not compared).
     Per step: exclusive microseconds and calls per hook key, parameters the settle fired, the step's time."""
-    from ddp_patches import reach
+    from ddp_patches.rescue import edges as reach
 
     timers, per_step = _HookTimers(), []
     edges = reach.for_ddp(ddp) if hasattr(ddp, "module") else None

@@ -14,19 +14,19 @@ Writes benchmarks/results/ddp_overhead.json and .png.
 
 ``--config many-tensors``: what the library's per-parameter hooks cost at scale. A tiny Switch Transformers MoE
 (4 encoder + 4 decoder blocks, all sparse, 320 experts each, hidden 32) with LoRA r=4 on every expert's two
-``nn.Linear`` and on attention: 10,336 trainable tensors, each hooked by the library (reach.py's AccumulateGrad
+``nn.Linear`` and on attention: 10,336 trainable tensors, each hooked by the library (rescue/edges.py's AccumulateGrad
 post-hook, the guard's post-accumulate-grad hook) and reduced by DDP. Each rank routes 64 tokens per block to 320
 experts, so most experts idle on every rank and step (about 8,700 of the 10,336 tensors get no gradient).
 "Best working unpatched" is then non-reentrant checkpointing with find_unused_parameters=True:
   * find_unused_parameters=False raises "Expected to have finished reduction in the prior iteration" at the
     second forward (an idle expert fires no hook); the worker checks this in every run (``fu_false_error``);
   * static_graph=True fixes the set of unused parameters at the first step, while the idle experts change from
-    step to step (the ranks drift apart silently: NOTE [Static graph needs a defined zero] in reach.py);
+    step to step (the ranks drift apart silently: NOTE [Static graph needs a defined zero] in rescue/edges.py);
   * reentrant checkpointing fails under DDP without the library ("marked as ready twice":
     NOTE [Why non-reentrant] in checkpointing.py);
   * with find_unused=True DDP finds the idle experts itself: one graph search per forward and an all-reduce of
     its used-parameter map per step, in C++.
-"patched" keeps DDP's defaults (find_unused=False) and relies on the library's rescue (reach.py: a post-hook per
+"patched" keeps DDP's defaults (find_unused=False) and relies on the library's rescue (rescue/edges.py: a post-hook per
 parameter, the settle that fires the idle ones' hooks at the end of backward, and one all-reduce of a float per
 parameter); "patched-fu-true" is find_unused=True under apply() (reach steps aside there; the trainable-set guard
 and the guard stay). Besides the step times, a few extra steps of each patched model time the library's hooks on

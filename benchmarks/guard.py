@@ -1,4 +1,4 @@
-"""Cost of the guard (ddp_patches/guard.py) per optimizer step, at the default replica-check interval, on 2 CPU ranks.
+"""Cost of the guard (ddp_patches/guard/) per optimizer step, at the default replica-check interval, on 2 CPU ranks.
 
     python benchmarks/guard.py            # Llama-shaped, hidden 256, 4 layers, batch 4 x 256: LoRA r=8, and full
     python benchmarks/guard.py --quick
@@ -39,7 +39,7 @@ def run(quick: bool = False, *, seq: int = 256, rounds: int | None = None) -> di
 
     rounds = rounds or (6 if quick else 20)
     ranks = launch_ranks(os.path.abspath(__file__), 2, ["--seq", str(seq), "--rounds", str(rounds)])
-    from ddp_patches.guard import DEFAULT_REPLICA_CHECK_EVERY as every
+    from ddp_patches.guard.replica_check import DEFAULT_REPLICA_CHECK_EVERY as every
 
     rows = {}
     for kind in KINDS:
@@ -104,7 +104,7 @@ def worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ddp_patches
-    from ddp_patches import guard, replica_check
+    from ddp_patches.guard import replica_check, steps as guard_steps, unsynced as guard
 
     from benchmarks._common import leave_group
 
@@ -139,7 +139,7 @@ def worker(args) -> None:
             start = time.perf_counter()
             for p in params:
                 hook(p)  # a backward calls it once per trainable tensor
-            guard._pre_step(optims["with"], (), {})
+            guard_steps._pre_step(optims["with"], (), {})
             overhead.append(time.perf_counter() - start)
         checks = []
         for i in range(10):
@@ -169,7 +169,7 @@ def gpu_check(args) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ddp_patches import guard, replica_check
+    from ddp_patches.guard import replica_check
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,

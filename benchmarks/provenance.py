@@ -19,16 +19,16 @@ import tokenize
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OFFLOAD = [f"ddp_patches/offload/{n}.py" for n in ("copier", "offloader", "pinned_pool", "policy", "probes",
                                                      "restore", "window")]
-_DDP_CORE = ["ddp_patches/reach.py", "ddp_patches/reducer.py", "ddp_patches/trainable_set.py",
-             "ddp_patches/checkpointing.py", "ddp_patches/guard.py", "ddp_patches/replica_check.py",
-             "ddp_patches/engines.py"]
+_RESCUE = [f"ddp_patches/rescue/{n}.py" for n in ("built", "counts", "edges", "graph", "join", "outputs", "reducer",
+                                                  "trainable_set")]
+_GUARD = [f"ddp_patches/guard/{n}.py" for n in ("steps", "unsynced", "replica_check")]
+_DDP_CORE = [*_RESCUE, "ddp_patches/checkpointing.py", *_GUARD, "ddp_patches/engines/__init__.py"]
 _PLANNER = ["ddp_patches/memsim.py", "ddp_patches/plan.py", "ddp_patches/tiled_mlp.py",
             "ddp_patches/tiled_attention.py", "ddp_patches/chunked_loss.py"]
 # result file -> the sources its figures depend on (what is measured, not the harness that launches it)
 SOURCES: dict[str, list[str]] = {
     "benchmarks/results/ddp_overhead.json": ["benchmarks/ddp_overhead.py", "benchmarks/_llm_steps.py", *_DDP_CORE],
-    "benchmarks/results/guard.json": ["benchmarks/guard.py", "benchmarks/_llm_steps.py", "ddp_patches/guard.py",
-                                      "ddp_patches/replica_check.py"],
+    "benchmarks/results/guard.json": ["benchmarks/guard.py", "benchmarks/_llm_steps.py", *_GUARD],
     "benchmarks/results/max_seq.json": ["benchmarks/max_seq.py", "ddp_patches/tiled_mlp.py",
                                         "ddp_patches/checkpointing.py", *_OFFLOAD],
     "benchmarks/results/offload.json": ["benchmarks/offload.py", "ddp_patches/checkpointing.py", *_OFFLOAD],

@@ -29,9 +29,9 @@ _EXPORTS = {
     "diagnose": ("doctor", "diagnose"),
     "OffloadStats": ("offload", "OffloadStats"),
     "offload_stats": ("offload", "stats"),
-    "TrainableParametersChangedError": ("trainable_set", "TrainableParametersChangedError"),
-    "UnsynchronizedGradientsError": ("guard", "UnsynchronizedGradientsError"),
-    "ReplicaDivergenceError": ("replica_check", "ReplicaDivergenceError"),
+    "TrainableParametersChangedError": ("rescue.trainable_set", "TrainableParametersChangedError"),
+    "UnsynchronizedGradientsError": ("guard.unsynced", "UnsynchronizedGradientsError"),
+    "ReplicaDivergenceError": ("guard.replica_check", "ReplicaDivergenceError"),
     "UnsupportedVersionError": ("versions", "UnsupportedVersionError"),
 }
 

@@ -10,16 +10,17 @@ from typing import Iterator
 from . import checkpointing as _checkpointing_patch
 from . import chunked_loss as _chunked_loss_patch
 from . import engines as _engines
-from . import guard as _guard
 from . import options as _options
 from .offload import offloader as _offload_patch
 from . import probes as _probes
-from . import reducer as _reducer_patch
-from . import teardown as _teardown
 from . import tiled_attention as _tiled_attention_patch
 from . import tiled_mlp as _tiled_mlp_patch
 from . import versions
-from . import zero as _zero
+from .engines import zero as _zero
+from .guard import steps as _guard
+from .rescue import built as _built
+from .rescue import reducer as _reducer_patch
+from .rescue import teardown as _teardown
 from ._registry import REGISTRY
 from .distributed import log_rank0_once
 
@@ -67,12 +68,12 @@ def apply(
     Nothing changes in a process that is not distributed: every patch asks at call time whether a process group
     with world size > 1 exists, and which engine runs the model it acts for (DDP, FSDP2, FSDP1,
     DeepSpeed, torch.compile); it acts only under the engines where it is proven and otherwise steps aside
-    with one WARNING line (NOTE [Engines] in ddp_patches/engines.py; the report names the expected engine).
+    with one WARNING line (NOTE [Engines] in ddp_patches/engines/__init__.py; the report names the expected engine).
     Calling apply() again with the same options does nothing; with other options it reverts and re-applies.
 
     Args:
         checkpointing: run every activation checkpoint as ``use_reentrant=False`` under DDP and DeepSpeed
-            ZeRO-1/2 (NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/zero.py).
+            ZeRO-1/2 (NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/engines/zero.py).
         reducer: choose safe DDP settings at construction, make static_graph work with gradient accumulation,
             and check the trainable-parameter set at each forward.
         offload: move the inputs of each non-reentrant checkpoint (a layer's input hidden states) to pinned host
@@ -108,7 +109,7 @@ def apply(
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the
-            replica check, if on, then only logs). ddp_patches/guard.py and ddp_patches/replica_check.py.
+            replica check, if on, then only logs). ddp_patches/guard/.
         replica_check_every: compare a fingerprint of the trainable parameters across ranks before the first and
             the second optimizer step and then before every this-many-th (0: never).
 
@@ -154,8 +155,9 @@ def apply(
         if options["checkpointing"] or tiled or options["offload"] is not False:
             on_built = (_tiled_mlp_patch.discover,) if tiled else ()  # it discovers tiled attention too
             installed += _zero.install(on_built)  # which modules a DeepSpeed engine runs (NOTE [Engines])
-        installed += _guard.install(on_unsynced=options["on_unsynced"],
-                                    replica_check_every=options["replica_check_every"])
+        guard = _guard.install(on_unsynced=options["on_unsynced"], replica_check_every=options["replica_check_every"])
+        # the guard tracks each DDP built, with or without the reducer (NOTE [One owner of DDP.__init__])
+        installed += guard + (_built.install(guard_tracking=True) if guard else [])
         _engines.install_compile_notice()
     except BaseException:
         REGISTRY.restore_all()  # all or nothing, and no probe verdict left behind for the next apply()
@@ -181,7 +183,7 @@ def revert() -> list[str]:
 
 
 # NOTE [Live DDPs stay protected]
-# The hooks that protect one DDP instance (the trainable-set guard, the unused-parameter rescue of reach.py) are
+# The hooks that protect one DDP instance (the trainable-set guard, the unused-parameter rescue of rescue/edges.py) are
 # installed when it is built, once. A re-apply with other options (apply(offload=False) after apply(), or a
 # ``patched(...)`` block) reverts and installs the class patches again, but builds no DDP: removing those hooks
 # would leave every live DDP unprotected, and its next step would fail ("finished reduction"). So a re-apply that

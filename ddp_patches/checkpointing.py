@@ -34,8 +34,8 @@ _SWAP_LINE = {
     engines.ZERO12: "ddp_patches: activation checkpointing use_reentrant=True -> False under %s (world size %d): "
                     "a reentrant checkpoint runs a weight's gradient hook once per region that uses it, and ZeRO "
                     "reduces it twice ('has already been reduced'); gradients are unchanged. "
-                    "NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/zero.py; apply(checkpointing=False) "
-                    "keeps it reentrant",
+                    "NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/engines/zero.py; "
+                    "apply(checkpointing=False) keeps it reentrant",
 }
 
 
@@ -235,7 +235,7 @@ def _check_non_reentrant_keywords() -> None:
 
 
 def _check_engine_internals() -> None:
-    """The swap asks engines.py whether a backward is running and whether a DDP forward is active."""
+    """The swap asks ddp_patches.engines whether a backward is running and whether a DDP forward is active."""
     from torch.nn.parallel import DistributedDataParallel
 
     probes.has(torch._C, "_current_graph_task_id")
@@ -250,7 +250,7 @@ ASSUMPTIONS = (
     probes.Assumption("non-reentrant-keywords", "checkpoint() accepts use_reentrant= and preserve_rng_state=",
                       _check_non_reentrant_keywords),
     probes.Assumption("engine-internals", "torch._C._current_graph_task_id() (-1 outside a backward) and "
-                      "DistributedDataParallel._get_active_ddp_module() exist (ddp_patches/engines.py)",
+                      "DistributedDataParallel._get_active_ddp_module() exist (ddp_patches/engines/__init__.py)",
                       _check_engine_internals),
 )
 

@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import engines, reach
+from . import engines
+from .rescue.edges import needs_defined_zero
 from ._registry import REGISTRY
 from .distributed import log_rank0_once
 
@@ -140,7 +141,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_h = None if ctx.grad_h is None else ctx.grad_h * grad_out.to(ctx.grad_h.dtype)
         grads = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.grads]
         for i in ctx.wanted:  # a parameter no chunk used: None, or the zero a static-graph DDP needs (tiled_mlp.py)
-            if grads[i] is None and reach.needs_defined_zero(ctx.params[i]):
+            if grads[i] is None and needs_defined_zero(ctx.params[i]):
                 grads[i] = torch.zeros_like(ctx.params[i])
         return (None, None, None, None, grad_h, *grads)
 

@@ -25,7 +25,7 @@ _on_first: list = []  # called once, the first time is_distributed() is True (NO
 def world_is_distributed() -> bool:
     """True only when a default process group is initialized with world size > 1; nothing else happens.
 
-    For code that runs at teardown and exit (ddp_patches/teardown.py): a collective-only script must not pay for
+    For code that runs at teardown and exit (ddp_patches/rescue/teardown.py): a collective-only script must not pay for
     what is_distributed() runs the first time (an import of torch._dynamo, about 1.5 s) while it shuts down.
     """
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

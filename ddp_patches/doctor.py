@@ -195,7 +195,7 @@ def _engine_findings(args: Any) -> list[Finding]:
             "a weight used in two reentrant checkpoints (a shared block, two forwards before one backward) fails with "
             "'has already been reduced' under ZeRO-2 and ZeRO-1 with overlap_comm",
             "ddp_patches.apply(): the checkpoint swap, offload and tiled MLP act under ZeRO-1/2 "
-            "(NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/zero.py)")]
+            "(NOTE [Reentrant checkpoints under ZeRO-1/2] in ddp_patches/engines/zero.py)")]
     return []
 
 

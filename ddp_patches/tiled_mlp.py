@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from torch.nn.utils import parametrize
 
-from . import engines, reach
+from . import engines
+from .rescue.edges import needs_defined_zero
 from ._registry import REGISTRY
 from .distributed import is_distributed, log_rank0_once
 
@@ -187,7 +188,7 @@ def _unused_as_untiled(ctx, grads: list, wanted: list[int]) -> list:
     alone; the DDP rescue counts it as without a gradient: NOTE [Unused everywhere ends with grad None]), or a
     defined zero where a static-graph DDP needs one (NOTE [Static graph needs a defined zero])."""
     for i in wanted:
-        if grads[i] is None and reach.needs_defined_zero(ctx.params[i]):
+        if grads[i] is None and needs_defined_zero(ctx.params[i]):
             grads[i] = torch.zeros_like(ctx.params[i])
     return grads
 

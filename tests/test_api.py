@@ -49,7 +49,7 @@ def test_apply_twice_is_apply_once():
 def test_apply_with_other_options_reapplies():
     ddp_patches.apply()
     report = ddp_patches.apply(reducer=False, offload=False, on_unsynced="off", replica_check_every=0)
-    # (and DeepSpeedEngine.__init__ where deepspeed is already imported: ddp_patches/zero.py)
+    # (and DeepSpeedEngine.__init__ where deepspeed is already imported: ddp_patches/engines/zero.py)
     assert [n for n in report.installed if not n.startswith("deepspeed.")] == ["torch.utils.checkpoint.CheckpointFunction"]
     assert vars(DDP)["__init__"].__qualname__ == "DistributedDataParallel.__init__"
     assert not hasattr(vars(DDP)["__init__"], "__ddp_patches__")

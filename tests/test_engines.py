@@ -1,4 +1,4 @@
-"""Each patch acts only under the engines it is proven for (ddp_patches/engines.py, NOTE [Engines]).
+"""Each patch acts only under the engines it is proven for (ddp_patches/engines/__init__.py, NOTE [Engines]).
 
 FSDP2 runs for real on 2 gloo ranks (``fully_shard`` per decoder layer + root) against a single process on the
 global batch; DeepSpeed ZeRO-3 runs for real on CPU (DS_ACCELERATOR=cpu, gloo) where deepspeed is installed,

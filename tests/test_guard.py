@@ -1,4 +1,4 @@
-"""ddp_patches/guard.py on 2 gloo ranks fed different data: the unsynchronised-gradient guard warns (or raises) at the
+"""ddp_patches/guard/ on 2 gloo ranks fed different data: the unsynchronised-gradient guard warns (or raises) at the
 first optimizer step of a loss computed through ``.module`` / an unwrapped model, stays silent for every correct
 pattern, and the replica check catches a perturbed parameter without ever hanging."""
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import ddp_patches
-from ddp_patches import guard, replica_check
+from ddp_patches.guard import replica_check, unsynced as guard
 from tests._helpers import LibraryLog as _Capture  # also imported from here by other test files
 
 UNSYNCED = "never averaged"
@@ -53,14 +53,16 @@ def _in_sync(module: nn.Module) -> bool:
 
 
 # -- rank functions ----------------------------------------------------------------------------------------------
-def raw_loop(pattern: str, on_unsynced: str = "warn", steps: int = 3) -> dict:
+def raw_loop(pattern: str, on_unsynced: str = "warn", steps: int = 3, reducer: bool = True) -> dict:
     """A raw training loop in one of the patterns below; what the guard logged (or raised), and whether the ranks
     ended in sync."""
     import torch.distributed as dist
 
+    from ddp_patches.rescue import edges
+
     rank = dist.get_rank()
     error = None
-    with ddp_patches.patched(on_unsynced=on_unsynced, replica_check_every=0), _Capture() as cap:
+    with ddp_patches.patched(on_unsynced=on_unsynced, replica_check_every=0, reducer=reducer), _Capture() as cap:
         torch.manual_seed(0)
         if pattern == "gan":
             return _gan(cap, steps)
@@ -85,7 +87,7 @@ def raw_loop(pattern: str, on_unsynced: str = "warn", steps: int = 3) -> dict:
             error = str(exc)
         in_sync = _in_sync(ddp.module)
     return {"unsynced": cap.lines(UNSYNCED), "all": cap.records, "error": error, "in_sync": in_sync,
-            "steps_done": cap.step if error is None else cap.step - 1}
+            "steps_done": cap.step if error is None else cap.step - 1, "rescued": edges.for_ddp(ddp) is not None}
 
 
 def _one_step(pattern, ddp, loss_of, it, teacher, rank) -> None:
@@ -305,6 +307,17 @@ def test_loss_through_module_warns_at_the_first_step_on_every_rank(pool):
         assert f"rank {rank}:" in message and "DistributedDataParallel(Sequential)" in message
         assert "'0.weight'" in message and "`.module`" in message and "unwrap" in message
         assert not r["in_sync"]  # the warning is about a real drift: the replicas did differ at the end
+
+
+def test_the_guard_watches_a_ddp_built_under_reducer_false(pool):
+    """NOTE [One owner of DDP.__init__]: under apply(reducer=False) the guard alone tracks each DDP built (the
+    constructor's patch runs DDP's own __init__ and the guard's tracking, none of the rescue's steps)."""
+    results = pool.run(raw_loop, pattern="module", reducer=False)
+    for rank, r in enumerate(results):
+        assert [s for s, _, _ in r["unsynced"]] == [1], r["all"]
+        assert f"rank {rank}:" in r["unsynced"][0][2] and not r["in_sync"]
+        assert not r["rescued"]  # the rescue's steps did not run
+    assert all(r["rescued"] for r in pool.run(raw_loop, pattern="module", steps=1))
 
 
 def test_loss_through_module_raises_on_request(pool):

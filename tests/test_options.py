@@ -23,7 +23,7 @@ def test_applys_signature_is_the_table():
 def test_the_modules_defaults_are_the_tables():
     """The constants the patches fall back to when called without apply() (offload's install(), the replica check's
     interval, the guard's choices) are the table's values."""
-    from ddp_patches import guard, replica_check
+    from ddp_patches.guard import replica_check, unsynced as guard
     from ddp_patches.offload import offloader
 
     assert offloader.DEFAULT_MIN_BYTES == options.DEFAULTS["offload_min_bytes"]

@@ -16,7 +16,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import ddp_patches
-from ddp_patches import checkpointing, probes, reach, reducer, teardown, versions
+from ddp_patches import checkpointing, probes, versions
+from ddp_patches.rescue import join, reducer, teardown
 from ddp_patches.offload import offloader as offload
 from ddp_patches.offload import probes as offload_probes
 
@@ -52,7 +53,7 @@ def _probe_lines(records) -> list[str]:
 
 
 # -- single process ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("module", [checkpointing, pytest.param(offload_probes, marks=needs_offload), reducer, reach,
+@pytest.mark.parametrize("module", [checkpointing, pytest.param(offload_probes, marks=needs_offload), reducer, join,
                                     teardown])
 def test_every_assumption_holds_on_this_torch(module):
     assert probes._first_failure(module.ASSUMPTIONS) is None

@@ -1,4 +1,4 @@
-"""Unused parameters get one zero-gradient edge (ddp_patches/reach.py); DDP's own settings are never changed."""
+"""Unused parameters get one zero-gradient edge (ddp_patches/rescue/edges.py); DDP's own settings are never changed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 import ddp_patches
-from ddp_patches.reach import _BackwardStart, _FireHooks
+from ddp_patches.rescue.edges import _BackwardStart, _FireHooks
 
 
 def test_outputs_are_aliases_and_a_fired_hook_leaves_grad_alone():
@@ -39,7 +39,7 @@ def test_static_graph_fire_carries_a_defined_zero():
 
 
 def test_tensors_are_found_as_ddp_finds_them():
-    from ddp_patches.reach import map_tensors
+    from ddp_patches.rescue.outputs import map_tensors
 
     @__import__("dataclasses").dataclass(frozen=True)
     class Inner:
@@ -55,12 +55,12 @@ def test_tensors_are_found_as_ddp_finds_them():
 def ddp_settings(ddp_kwargs: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_patches import reach
+    from ddp_patches.rescue import edges as rescue
 
     with ddp_patches.patched():
         ddp = DDP(torch.nn.Linear(4, 4), **ddp_kwargs)
     return {"find_unused_parameters": ddp.find_unused_parameters, "static_graph": ddp.static_graph,
-            "edges": reach.needed(ddp)}
+            "edges": rescue.needed(ddp)}
 
 
 @pytest.mark.parametrize("ddp_kwargs,expected", [
@@ -78,7 +78,7 @@ def buckets_and_edges(module: str) -> dict:
     """Three iterations with DDP defaults: were buckets rebuilt, how many parameters got an edge each time."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_patches import reach
+    from ddp_patches.rescue import edges as rescue
     from ddp_patches.verify.raw_models import RAW_MODULES, raw_batch, raw_loss
 
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def buckets_and_edges(module: str) -> dict:
         attached = []
         for it in range(3):
             raw_loss(ddp, raw_batch(torch.distributed.get_rank(), it, 0)).backward()
-            attached.append(reach.for_ddp(ddp).attached_last)
+            attached.append(rescue.for_ddp(ddp).attached_last)
         data = ddp._get_ddp_logging_data()
     return {"rebuilt": data.get("has_rebuilt_buckets"), "attached": attached}
 
@@ -407,7 +407,7 @@ def smaller_items_case() -> dict:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_patches import reach
+    from ddp_patches.rescue import edges as rescue
 
     torch.manual_seed(0)
     model = _ReturnsItsScale().double()
@@ -422,7 +422,7 @@ def smaller_items_case() -> dict:
                 ddp = DDP(model)
                 out, scale = ddp(_flag_batch(lambda r, it: 0)(torch.distributed.get_rank(), 0, 0))
                 (out.pow(2).mean() + scale).backward()
-            hooks = sum(len(e._node_hooks) for e in list(reach._instances.values()))
+            hooks = sum(len(e._node_hooks) for e in list(rescue._instances.values()))
     finally:
         logging.getLogger("ddp_patches").removeHandler(handler)
     del early

@@ -1,5 +1,5 @@
 """The unused-parameter rescue keeps DDP's collective order (NOTE [Unused parameters marked where DDP marks them]
-in ddp_patches/reach.py).
+in ddp_patches/rescue/graph.py).
 
 Each pattern: 2 gloo ranks with different data, a parameter only rank 0 uses, ``find_unused_parameters=False``,
 gradients compared every iteration with a single process on the global batch, and another collective on the same

@@ -154,9 +154,9 @@ def protocol_case(pattern: str, patched: bool, net: dict, ddp_kwargs: dict | Non
         for it in range(len(plans[rank]), max(len(p) for p in plans)):
             reference_step(it)
     final = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    from ddp_patches import reach
+    from ddp_patches.rescue import edges as rescue
 
-    edges = reach.for_ddp(ddp)
+    edges = rescue.for_ddp(ddp)
     return {"errors": errors, "none_ok": none_ok, "final": final, "params": [p.detach() for p in model.parameters()],
             "fires_directly": edges is not None and edges._reducer_index is not None}
 

@@ -17,7 +17,7 @@ def released_case() -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddp_patches.teardown import ReleasedReducer
+    from ddp_patches.rescue.teardown import ReleasedReducer
 
     with ddp_patches.patched():
         # A group of our own, so that the pool's default group survives the test.

@@ -1,4 +1,5 @@
-"""The replica check (ddp_patches/replica_check.py) under DDP communication hooks, on 2 gloo ranks fed different data.
+"""The replica check (ddp_patches/guard/replica_check.py) under DDP communication hooks, on 2 gloo ranks fed different
+data.
 
 Post-local SGD (``post_localSGD_hook`` over per-rank subgroups + ``PostLocalSGDOptimizer`` with a
 ``PeriodicModelAverager`` or ``HierarchicalModelAverager``) keeps the replicas apart between averaging steps by
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import ddp_patches
-from ddp_patches import guard, replica_check
+from ddp_patches.guard import replica_check, unsynced as guard
 from tests.test_guard import DIVERGED, _batch, _Capture, _in_sync, _mlp
 
 ASIDE = "the replica check steps aside"
@@ -269,7 +270,7 @@ def test_a_fingerprint_of_no_tensor_is_empty_not_an_error():
     """A step where none of a DDP's parameters has a gradient (all of them substituted by ``functional_call``, or
     zeroed after the backward) fingerprints nothing: before, ``torch.stack`` of no tensor raised in the optimizer
     step's pre-hook."""
-    from ddp_patches.replica_check import fingerprint
+    from ddp_patches.guard.replica_check import fingerprint
 
     assert fingerprint([]).numel() == 0
     assert fingerprint([torch.ones(2)]).tolist() == [2.0, 2.0 ** 0.5]

@@ -1,7 +1,7 @@
 """Teardown: a DDP stays usable after ``destroy_process_group()`` for everything that needs no collective.
 
 The teardown patch releases a DDP's reducer when its group is destroyed
-(NOTE [Reducer outliving its process group] in ddp_patches/teardown.py). What DDP's forward and a backward then
+(NOTE [Reducer outliving its process group] in ddp_patches/rescue/teardown.py). What DDP's forward and a backward then
 ask of it is NOTE [A DDP after its group was destroyed]: an evaluation forward with grad mode on and ``torch.autograd.grad`` of the output w.r.t. the
 input work as without the library (and as the plain module); local accumulation under ``no_sync()`` works; a
 backward that DDP would all-reduce, and DDP's broadcast of buffers, fail with a clear error instead of training

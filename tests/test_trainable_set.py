@@ -1,4 +1,4 @@
-"""The trainable-set check (ddp_patches/trainable_set.py, NOTE [A frozen parameter is judged at the backward]).
+"""The trainable-set check (ddp_patches/rescue/trainable_set.py, NOTE [A frozen parameter is judged at the backward]).
 
 Two patterns that train without the library must train with it. Each runs here without and with
 the library under real 2-rank DDP (gloo, each rank its own data) against a single process on the global batch;
@@ -200,7 +200,7 @@ def test_a_listed_module_registered_into_a_new_container_does_not_force_a_walk()
     """Llama's forward slices ``self.layers[:n]``, a new ModuleList of the listed layers, every forward: before, each
     counted as a registration and ``named_parameters()`` was walked again at every forward. A module not listed yet
     (an adapter added after wrapping) still counts."""
-    from ddp_patches import trainable_set
+    from ddp_patches.rescue import trainable_set
 
     layers = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
     trainable_set._listed.update(layers.modules())

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 (ddp_patches/zero.py, NOTE [Reentrant checkpoints under ZeRO-1/2]).
+"""DeepSpeed ZeRO-1/2 (ddp_patches/engines/zero.py, NOTE [Reentrant checkpoints under ZeRO-1/2]).
 
 Real DeepSpeed engines on 2 gloo ranks (CPU accelerator), each rank fed its own data. The reference is DeepSpeed's
 own: the same config without checkpointing (or, for the tiled MLP and offload, without the patch), compared after
@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_patches import engines, zero
+from ddp_patches import engines
+from ddp_patches.engines import zero
 from tests._helpers import library, library_warnings, needs_deepspeed, reentrant_nodes
 
 pytestmark = needs_deepspeed

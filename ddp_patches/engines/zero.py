@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ._after_import import when_imported
-from ._registry import REGISTRY
+from .._after_import import when_imported
+from .._registry import REGISTRY
 
 logger = logging.getLogger("ddp_patches")
 

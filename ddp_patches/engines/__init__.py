@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from . import zero
-from ._registry import REGISTRY
-from .distributed import log_rank0_once
+from .._registry import REGISTRY
+from ..distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 
@@ -90,7 +90,7 @@ def acts(patch: str, engine: str) -> bool:
 def step_aside(patch: str, engine: str) -> None:
     """One WARNING line on rank 0, once per process, patch and engine."""
     log_rank0_once(f"engine-{patch}-{engine}", logging.WARNING,
-                   "ddp_patches: %s steps aside under %s: %s (NOTE [Engines] in ddp_patches/engines.py)",
+                   "ddp_patches: %s steps aside under %s: %s (NOTE [Engines] in ddp_patches/engines/__init__.py)",
                    _LABELS.get(patch, patch), engine, _why(patch, engine))
 
 
@@ -375,14 +375,15 @@ class _CompileNotice:
         callback_handler.register_start_callback(self)
 
     def __call__(self, *args: Any) -> None:
-        from .distributed import is_distributed
+        from ..distributed import is_distributed
 
         if is_distributed():
             log_rank0_once("engine-compile", logging.WARNING,
                            "ddp_patches: torch.compile is compiling code of this process: inside compiled code the "
                            "checkpoint swap and activation offload are not reached (dynamo traces checkpoints as "
                            "its own operator) and the tiled MLP and the unused-parameter rescue step aside; code "
-                           "outside compiled regions is patched as usual (NOTE [Engines] in ddp_patches/engines.py)")
+                           "outside compiled regions is patched as usual "
+                           "(NOTE [Engines] in ddp_patches/engines/__init__.py)")
 
     def remove(self) -> None:
         if self in self._handler.start_callbacks:
@@ -399,7 +400,7 @@ class _CompileNotice:
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §14
 def install_compile_notice() -> None:
     """Register the compile notice now where it can matter, else when the process first turns out distributed."""
-    from . import distributed
+    from .. import distributed
 
     if "torch._dynamo" in sys.modules or distributed.is_distributed():
         _register_notice()
@@ -408,6 +409,6 @@ def install_compile_notice() -> None:
 
 
 def _register_notice() -> None:
-    from ._registry import REGISTRY
+    from .._registry import REGISTRY
 
     REGISTRY.add_handle(_CompileNotice())

@@ -13,9 +13,11 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import engines, reach
-from ._registry import REGISTRY
-from .distributed import log_rank0_once
+from .. import engines
+from .._registry import REGISTRY
+from ..distributed import log_rank0_once
+from .counts import needed
+from .outputs import map_tensors
 
 
 class TrainableParametersChangedError(RuntimeError):
@@ -32,7 +34,7 @@ class TrainableParametersChangedError(RuntimeError):
 # Rule: a frozen parameter is never refused at the forward. Where the reducer would wait for it, the forward's
 # outputs get a gradient hook, and a backward through them that will not run the parameter's AccumulateGrad while
 # it is still frozen raises TrainableParametersChangedError there, naming it and find_unused_parameters=True as
-# the setting that copes. The unused-parameter rescue (ddp_patches/reach.py) does not fire a frozen parameter's
+# the setting that copes. The unused-parameter rescue (ddp_patches/rescue/edges.py) does not fire a frozen parameter's
 # hook: that would make a failing configuration train behind the user's setting.
 # Test: tests/test_trainable_set.py::test_freezing_with_a_reducer_that_waits_is_a_clear_error_at_the_backward
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §5
@@ -67,7 +69,7 @@ class TrainableGuard:
         if current - self.expected:
             raise TrainableParametersChangedError(_changed_message(self.expected, current))
         frozen = self.expected - current
-        if not reach.needed(ddp):  # the reducer searches for unused parameters itself
+        if not needed(ddp):  # the reducer searches for unused parameters itself
             log_rank0_once("frozen-after-wrapping", logging.INFO,
                            "ddp_patches: %d parameter(s) frozen after DistributedDataParallel was built (e.g. %s); "
                            "find_unused_parameters=True: the reducer treats them as unused, as without the library",
@@ -78,7 +80,7 @@ class TrainableGuard:
     def after_forward(self, ddp: DDP, args: Any, output: Any) -> None:
         watch, self._watch = self._watch, frozenset()
         if watch:
-            reach.map_tensors(output, _in_graph, lambda ts: [self._judge_at_backward(t, ddp, watch) for t in ts])
+            map_tensors(output, _in_graph, lambda ts: [self._judge_at_backward(t, ddp, watch) for t in ts])
 
     def _judge_at_backward(self, t: torch.Tensor, ddp: DDP, watch: frozenset[str]) -> torch.Tensor:
         t.register_hook(lambda grad: self._check_backward(ddp, watch))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import log_rank0_once
+from ..distributed import log_rank0_once
 
 logger = logging.getLogger("ddp_patches")
 
@@ -97,7 +97,7 @@ def promised_equal(tracked: Any) -> bool:
             "replicas (post-local SGD and model averaging keep them apart between averaging steps by design; the "
             "check vouches only for DDP's all-reduce, the fp16/bf16 compress hooks and PowerSGD), so it compares "
             "nothing for this model; the unsynchronised-gradient guard stays on "
-            "(NOTE [Replica check only where DDP promises equal replicas] in ddp_patches/replica_check.py)",
+            "(NOTE [Replica check only where DDP promises equal replicas] in ddp_patches/guard/replica_check.py)",
             tracked.label, _hook_name(fn).removeprefix(_HOOKS))
     return tracked.hook_keeps_equal
 
@@ -184,7 +184,7 @@ def rendezvous_store():
 # -- the store protocol of both checks ---------------------------------------------------------------------------
 def check_step(tracked: Any) -> int:
     """This DDP's optimizer steps in its current segment: what both checks count and key by
-    (NOTE [Join ends a segment of step counts] in ddp_patches/guard.py)."""
+    (NOTE [Join ends a segment of step counts] in ddp_patches/guard/steps.py)."""
     return tracked.steps - tracked.segment_base
 
 
@@ -432,7 +432,7 @@ def _report_divergence(tracked: Any, mine: torch.Tensor, differ: list[tuple[int,
                "DDP did not average, or changed parameters on some ranks only (a loss through `.module` after the "
                "last synced micro-step, an optimizer step skipped on some ranks only, a per-rank seed in a "
                "parameter update, a load on one rank). "
-               "(NOTE [Replica check without a wait] in ddp_patches/replica_check.py)")
+               "(NOTE [Replica check without a wait] in ddp_patches/guard/replica_check.py)")
     if on_divergence == "raise":
         raise ReplicaDivergenceError(message)
     logger.error("%s", message)

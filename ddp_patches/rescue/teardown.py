@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
-from . import probes, versions
-from ._registry import REGISTRY
-from .distributed import world_is_distributed
+from .. import probes, versions
+from .._registry import REGISTRY
+from ..distributed import world_is_distributed
 
 logger = logging.getLogger("ddp_patches")
 
@@ -35,7 +35,7 @@ _was_distributed: list[bool] = []  # set once a patched destroy_process_group sa
 def _destroyed(what: str) -> str:
     return (f"ddp_patches: {what}, but this DistributedDataParallel's process group was destroyed "
             "(torch.distributed.destroy_process_group, e.g. by trainer.end()), and its reducer was released with it "
-            "(NOTE [Reducer outliving its process group] in ddp_patches/teardown.py). To train again, call "
+            "(NOTE [Reducer outliving its process group] in ddp_patches/rescue/teardown.py). To train again, call "
             "init_process_group and wrap the model in a new DistributedDataParallel.")
 
 

@@ -1,61 +1,28 @@
-"""What happens when a DistributedDataParallel is built under apply(): the reducer keeps the settings the user
-chose (NOTE [find_unused is the user's]); the instance gets the unused-parameter rescue (``reach``), the
-trainable-set guard (``trainable_set``), teardown and guard tracking; and ``no_sync()`` makes the first backward
-of a static graph a synced one (NOTE [static graph first step]). Settings are logged once on rank 0 at INFO.
+"""The reducer patches of apply(reducer=True): ``install`` turns on what runs when a DDP is built (``built``: the
+unused-parameter rescue, the trainable-set guard, teardown), patches Join and manual finalization (``join``) and
+``destroy_process_group`` (``teardown``), and makes ``no_sync()`` leave the first backward of a static graph
+synced (NOTE [static graph first step]). What these patches assume of torch is probed first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpointing, chunked_loss, engines, guard, probes, reach, teardown, tiled_mlp, trainable_set
-from .trainable_set import TrainableParametersChangedError  # noqa: F401  (its old home)
-from ._registry import REGISTRY
-from .distributed import is_distributed, log_rank0_once
+from .. import probes
+from .._registry import REGISTRY
+from ..distributed import is_distributed, log_rank0_once
+from . import built, edges, join, teardown, trainable_set
+from .edges import _FireHooks
+from .graph import _ProbeStart
 
 logger = logging.getLogger("ddp_patches")
 
-TARGETS = ("DistributedDataParallel.__init__", "DistributedDataParallel.no_sync")
-
-# The DDP settings worth reporting in the one log line.
-_REPORTED = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb")
-
-
-# NOTE [find_unused is the user's]
-# Invariant: DistributedDataParallel is built with exactly the settings it was given (by the user, the Trainer, TRL
-# or accelerate): the library never changes find_unused_parameters or static_graph.
-# Rule: what find_unused_parameters=True is for -- a trainable parameter without a gradient on some rank -- is
-# handled by ``reach``, and only where the reducer does not search itself. Forcing the flag would break working
-# patterns: under accelerate's ``trigger_sync_in_backward``, prepare_for_backward([]) marks every parameter unused
-# and its real hook then marks it again ("marked as ready twice"); a PowerSGD hook's ranks fall out of step; and
-# every step pays an extra all-reduce and loses the bucket rebuild. With non-reentrant checkpointing
-# (ddp_patches.checkpointing) both values of the flag and static_graph train.
-# Test: tests/test_reach.py::test_ddp_settings_are_passed_through_untouched
-# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §4
-def _patched_ddp_init(original_init):
-    def __init__(self, *args, **kwargs):
-        module = args[0] if args else kwargs.get("module")
-        if is_distributed() and isinstance(module, torch.nn.Module):
-            checkpointing.check_recompute_routing(module)  # before DDP's first collective, on every rank alike
-        original_init(self, *args, **kwargs)  # the settings as given: NOTE [find_unused is the user's]
-        if not is_distributed():
-            return
-        engines.own(self)  # NOTE [The engine is the module's owner's]
-        tiled_mlp.discover(self.module)  # no-op unless apply(tiled_mlp=True): NOTE [MLPs found by structure]
-        chunked_loss.note_fused(self.module)  # no-op unless apply(chunked_loss=True): NOTE [When the chunked loss acts]
-        trainable_set.TrainableGuard(self).install(self)  # before reach: its hooks see DDP's own outputs
-        reach.watch_custom_functions()  # once, at the first DDP: NOTE [No walk without a custom Function]
-        reach.install(self)
-        teardown.track(self)
-        guard.track(self)  # no-op unless the guard is on (ddp_patches/guard.py, replica_check.py)
-        _log_settings(self, reach.needed(self))
-
-    return __init__
+TARGETS = (built.TARGET, "DistributedDataParallel.no_sync")
 
 
 def warn_unprotected() -> None:
@@ -66,20 +33,12 @@ def warn_unprotected() -> None:
     import gc
 
     # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises
-    count = sum(1 for o in gc.get_objects() if issubclass(type(o), DDP) and reach.for_ddp(o) is None)
+    count = sum(1 for o in gc.get_objects() if issubclass(type(o), DDP) and edges.for_ddp(o) is None)
     if count:
         log_rank0_once("unprotected-ddp", logging.WARNING,
                        "ddp_patches: %d DistributedDataParallel instance(s) were built before apply() and are not "
                        "protected (no unused-parameter rescue, no trainable-set check); call apply() before building "
                        "DDP, the Trainer or accelerator.prepare", count)
-
-
-def _log_settings(ddp: DDP, edges: bool) -> None:
-    settings = ", ".join(f"{k}={getattr(ddp, k, None)}" for k in _REPORTED if hasattr(ddp, k))
-    how = ("a parameter without a gradient fires its hook once at the end of backward (ddp_patches.reach)" if edges
-           else "unused parameters are found by DDP itself")
-    log_rank0_once(f"ddp-settings:{settings}", logging.INFO,
-                   "ddp_patches: DistributedDataParallel built with %s (as given); %s", settings, how)
 
 
 # NOTE [static graph first step]
@@ -117,10 +76,6 @@ def _patched_no_sync(original_no_sync):
     return no_sync
 
 
-def _patch_ddp_init() -> None:
-    REGISTRY.install(DDP, "__init__", _patched_ddp_init)
-
-
 def _patch_ddp_no_sync() -> None:
     REGISTRY.install(DDP, "no_sync", _patched_no_sync)
 
@@ -136,11 +91,43 @@ def _check_static_graph_flag() -> None:
     probes.source_mentions(DDP, "_static_graph_delay_allreduce_enqueued")
 
 
+def _check_autograd_hooks() -> None:
+    """A post-hook on a leaf's AccumulateGrad node runs in its backward; a final callback queued from a Function's
+    backward runs after it, in the same graph task, and can run a nested backward that fires another node's hook
+    with no gradient, leaving that leaf's .grad None (what ``_settle`` does)."""
+    from ..probes import expect
+
+    p, q = (torch.ones(2, dtype=torch.float32, requires_grad=True) for _ in range(2))
+    events: list = []
+    p_node, q_node = get_gradient_edge(p).node, get_gradient_edge(q).node
+    handles = [p_node.register_hook(lambda gi, go: events.append("p")),
+               q_node.register_hook(lambda gi, go: events.append("q"))]
+
+    def settle(will_run, task):
+        events.append(("callback", will_run, task == torch._C._current_graph_task_id() != -1))
+        with torch.enable_grad():
+            out = _FireHooks.apply(False, q)
+        out.backward()  # no explicit gradient: that path imports sympy (0.5 s at apply())
+
+    try:
+        (_ProbeStart.apply(settle, p_node, p * 2)).sum().backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    expect(events == ["p", ("callback", True, True), "q"],
+           f"hooks and final callback ran as {events}, expected p's hook, the callback in that task, q's hook")
+    expect(q.grad is None and torch.equal(p.grad, torch.full((2,), 2.0, dtype=torch.float32)),
+           "a hook fired with no gradient wrote one")
+
+
 ASSUMPTIONS = (
     probes.Assumption("ddp-attributes", "DistributedDataParallel keeps find_unused_parameters, static_graph, "
                       "require_backward_grad_sync, parameters_to_ignore, process_group, reducer and "
                       "_active_ddp_module as attributes", _check_ddp_attributes),
-    *reach.ASSUMPTIONS,
+    *join.ASSUMPTIONS,
+    probes.Assumption("autograd-hooks", "AccumulateGrad post-hooks, torch._C._current_graph_task_id, "
+                      "torch._C._will_engine_execute_node and final callbacks queued from a backward run as "
+                      "NOTE [Unused parameters without find_unused_parameters] describes", _check_autograd_hooks),
 )
 NO_SYNC_ASSUMPTIONS = (
     probes.Assumption("static-graph-flag", "DDP records its first static-graph delayed all-reduce in "
@@ -153,9 +140,9 @@ def install() -> list[str]:
     if not probes.verify("reducer", ASSUMPTIONS, "DDP runs as without the library (no unused-parameter rescue, no "
                          "trainable-set check, no static-graph first sync)"):
         return []
-    _patch_ddp_init()
+    targets = built.install(rescue=True)
     trainable_set.watch_registrations()
-    targets = [TARGETS[0], *reach.patch_join_hook(), *reach.patch_finalize_backward()]
+    targets += [*join.patch_join_hook(), *join.patch_finalize_backward()]
     if probes.verify("no_sync", NO_SYNC_ASSUMPTIONS, "static_graph=True with gradient accumulation may hit "
                      "'expect_autograd_hooks_ INTERNAL ASSERT FAILED' as without the library"):
         _patch_ddp_no_sync()
