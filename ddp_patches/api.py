@@ -91,7 +91,7 @@ def apply(
             waits for them); each region more keeps one more layer input on the device.
         tiled_mlp: under DDP, FSDP2 or DeepSpeed ZeRO-1/2, run every gate/up/down MLP (found by structure on the
             model, any family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward
-            that fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
+            that fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp/).
         tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: the rule by bytes,
             min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2
             (NOTE [Tiling by bytes]). Used with ``tiled_mlp``.

@@ -385,7 +385,7 @@ def _hook_problem(attn: torch.nn.Module, norm: torch.nn.Module | None) -> str | 
         return why
     for module in (attn, norm):
         if module is not None:
-            why = tiled_mlp._hook_problem(module, _params((module,)))
+            why = tiled_mlp.rules._hook_problem(module, _params((module,)))
             if why is not None:
                 return why
     return None
@@ -430,7 +430,7 @@ def _outside_check(attn: torch.nn.Module, norm: torch.nn.Module | None, x: torch
         if name == "q_proj":
             with torch.no_grad():
                 q_width = fn(rows).shape[-1]
-        why = tiled_mlp._outside_tensor(holder, inp, lambda _m, r, fn=fn: fn(r))
+        why = tiled_mlp.rules._outside_tensor(holder, inp, lambda _m, r, fn=fn: fn(r))
         if why is not None:
             why = f"{name}: {why}"
             break
@@ -449,7 +449,7 @@ def _sizes_for(shard_tokens: int | None) -> Callable[[int, int], list[int]]:
 
 def _gate(module: torch.nn.Module, forced: bool) -> bool:
     """Whether this call may tile at all (before anything is looked at closely)."""
-    if _inside["depth"] or not torch.is_grad_enabled() or tiled_mlp._settings["untiled"]:
+    if _inside["depth"] or not torch.is_grad_enabled() or tiled_mlp.rules._settings["untiled"]:
         return False
     if forced:
         return True
@@ -473,7 +473,7 @@ def _attention_forward(attn, original_forward: Callable, args: tuple, kwargs: di
     rows = hidden.numel() // max(hidden.shape[-1], 1)
     if len(shard_sizes(rows, source.shape[-1], shard_tokens)) < 2:
         return original_forward(attn, *args, **kwargs)
-    why = _hook_problem(attn, norm) or (tiled_mlp._cached_parametrization(attn) and "a cached parametrization")
+    why = _hook_problem(attn, norm) or (tiled_mlp.rules._cached_parametrization(attn) and "a cached parametrization")
     if why:
         _declined(attn, norm, why)
         return original_forward(attn, *args, **kwargs)
@@ -508,7 +508,7 @@ def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, f
     width = x.shape[-1]
     rows = x.numel() // max(width, 1)
     sizes = shard_sizes(rows, width, shard_tokens)
-    if len(sizes) < 2 or tiled_mlp._hook_problem(norm, ()) is not None or _own_hook_problem(norm) is not None \
+    if len(sizes) < 2 or tiled_mlp.rules._hook_problem(norm, ()) is not None or _own_hook_problem(norm) is not None \
             or (before_mlp and _not_rowwise(norm, x, original_forward)):
         return original_forward(norm, *args, **kwargs)
     run = _in_shard(lambda shard: original_forward(norm, shard))
@@ -627,7 +627,7 @@ def _norms_pair(attn: torch.nn.Module, norm: torch.nn.Module | None) -> None:
 
 
 def _patch_class(cls: type, body: Callable) -> bool:
-    owner = tiled_mlp._forward_owner(cls)
+    owner = tiled_mlp.patch._forward_owner(cls)
     if owner is None or REGISTRY.is_patched(owner, "forward"):
         return False
 
@@ -653,8 +653,8 @@ def tile_model(model: torch.nn.Module, shard_tokens: int | None = None):
             if module is None or "forward" in vars(module):
                 continue
             original = type(module).forward
-            if REGISTRY.is_patched(tiled_mlp._forward_owner(type(module)) or type(module), "forward"):
-                original = REGISTRY.original(tiled_mlp._forward_owner(type(module)), "forward")
+            if REGISTRY.is_patched(tiled_mlp.patch._forward_owner(type(module)) or type(module), "forward"):
+                original = REGISTRY.original(tiled_mlp.patch._forward_owner(type(module)), "forward")
             module.forward = lambda *a, _m=module, _o=original, _b=body, **k: _b(_m, _o, a, k, True, shard_tokens)
             patched.append(module)
     try:
@@ -683,6 +683,6 @@ def install(*, shard_tokens: int | None) -> list[str]:
     _verdicts.clear()
     _rowwise.clear()
     _outside.clear()
-    if discover not in tiled_mlp._also_discover:
-        tiled_mlp._also_discover.append(discover)
+    if discover not in tiled_mlp.patch._also_discover:
+        tiled_mlp.patch._also_discover.append(discover)
     return tiled_mlp.install_discovery()
