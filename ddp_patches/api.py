@@ -97,7 +97,7 @@ def apply(
             (NOTE [Tiling by bytes]). Used with ``tiled_mlp``.
         tiled_attention: under DDP, run each decoder layer's input norm, q/k/v and
             o_proj (LoRA included) in token shards around the attention kernel, which sees the whole sequence
-            (found by structure; NOTEs in ddp_patches/tiled_attention.py). Steps aside under other engines.
+            (found by structure; NOTEs in ddp_patches/tiled_attention/). Steps aside under other engines.
         tiled_attention_shard_tokens: at most this many tokens per attention shard, always tiled; None: 4 shards
             where the call has at least 2 x hidden_size tokens (NOTE [Attention tiled by bytes]).
         chunked_loss: in training, a transformers causal LM (found by structure; VLMs and PEFT-wrapped models
