@@ -104,7 +104,7 @@ def apply(
             included) called with ``labels`` computes its loss from the final hidden states in chunks of tokens,
             never building the full logits or their float32 copy; its output's ``logits`` is then None. Acts under
             DDP (in one process nothing changes); steps aside with one line wherever the logits are
-            read or cannot be matched (NOTE [When the chunked loss acts] in ddp_patches/chunked_loss.py).
+            read or cannot be matched (NOTE [When the chunked loss acts] in ddp_patches/chunked_loss/rules.py).
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the
