@@ -17,31 +17,39 @@ import subprocess
 import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_OFFLOAD = [f"ddp_patches/offload/{n}.py" for n in ("copier", "offloader", "pinned_pool", "policy", "probes",
-                                                     "restore", "window")]
-_RESCUE = [f"ddp_patches/rescue/{n}.py" for n in ("built", "counts", "edges", "graph", "join", "outputs", "reducer",
-                                                  "trainable_set")]
-_GUARD = [f"ddp_patches/guard/{n}.py" for n in ("steps", "unsynced", "replica_check")]
+
+
+def _package(name: str) -> list[str]:
+    """Every module of a ddp_patches package (a figure depends on the whole room: a module added there counts)."""
+    folder = os.path.join(ROOT, "ddp_patches", name)
+    return sorted(f"ddp_patches/{name}/{f}" for f in os.listdir(folder) if f.endswith(".py"))
+
+
+_OFFLOAD = _package("offload")
+_RESCUE = [m for m in _package("rescue") if not m.endswith("/teardown.py")]
+_GUARD = _package("guard")
 _DDP_CORE = [*_RESCUE, "ddp_patches/checkpointing.py", *_GUARD, "ddp_patches/engines/__init__.py"]
-_PLANNER = ["ddp_patches/memsim.py", "ddp_patches/plan.py", "ddp_patches/tiled_mlp.py",
-            "ddp_patches/tiled_attention.py", "ddp_patches/chunked_loss.py"]
+_TILED_MLP = _package("tiled_mlp")
+_CHUNKED_LOSS = _package("chunked_loss")
+_PLANNER = ["ddp_patches/memsim.py", "ddp_patches/plan.py", *_TILED_MLP, *_package("tiled_attention"),
+            *_CHUNKED_LOSS]
 # result file -> the sources its figures depend on (what is measured, not the harness that launches it)
 SOURCES: dict[str, list[str]] = {
     "benchmarks/results/ddp_overhead.json": ["benchmarks/ddp_overhead.py", "benchmarks/_llm_steps.py", *_DDP_CORE],
     "benchmarks/results/guard.json": ["benchmarks/guard.py", "benchmarks/_llm_steps.py", *_GUARD],
-    "benchmarks/results/max_seq.json": ["benchmarks/max_seq.py", "ddp_patches/tiled_mlp.py",
+    "benchmarks/results/max_seq.json": ["benchmarks/max_seq.py", *_TILED_MLP,
                                         "ddp_patches/checkpointing.py", *_OFFLOAD],
     "benchmarks/results/offload.json": ["benchmarks/offload.py", "ddp_patches/checkpointing.py", *_OFFLOAD],
     "benchmarks/results/scaling.json": ["benchmarks/scaling.py", "benchmarks/_llm_steps.py", *_DDP_CORE],
-    "benchmarks/results/tiled_layer.json": ["benchmarks/tiled_layer.py", "ddp_patches/tiled_mlp.py",
+    "benchmarks/results/tiled_layer.json": ["benchmarks/tiled_layer.py", *_TILED_MLP,
                                             "ddp_patches/checkpointing.py"],
-    "benchmarks/results/tiled_mlp.json": ["benchmarks/tiled_mlp.py", "ddp_patches/tiled_mlp.py"],
+    "benchmarks/results/tiled_mlp.json": ["benchmarks/tiled_mlp.py", *_TILED_MLP],
     "docs/data/plan-llama-3.1-8b-80gib.json": [*_PLANNER, "tests/data/llama-3.1-8b/config.json"],
     "docs/data/plan-qwen2.5-vl-7b-text-80gib.json": [*_PLANNER, "tests/data/qwen2.5-vl-7b-text/config.json"],
     "docs/data/plan-long-context.json": ["tools/long_context.py", *_PLANNER, "tests/data/llama-3.1-8b/config.json"],
-    "docs/data/chunked-loss-bytes.json": ["tools/chunked_loss_bytes.py", "ddp_patches/chunked_loss.py"],
+    "docs/data/chunked-loss-bytes.json": ["tools/chunked_loss_bytes.py", *_CHUNKED_LOSS],
     "docs/data/gpu-proof.json": ["benchmarks/gpu_proof.py", "benchmarks/offload.py", "benchmarks/tiled_mlp.py",
-                                 "tests/test_offload_cuda.py", "ddp_patches/tiled_mlp.py", *_OFFLOAD],
+                                 "tests/test_offload_cuda.py", *_TILED_MLP, *_OFFLOAD],
 }
 
 

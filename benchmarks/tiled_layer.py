@@ -22,8 +22,8 @@ Targets: time <= 1.03x for the layer and the step where the call tiles; MLP peak
 Writes benchmarks/results/tiled_layer.json.
 
 What the layer and step times show: since the checkpoint's recompute ends before the tiled forward
-(NOTE [Recompute ends before the tiled forward] in ddp_patches/tiled_mlp.py), a tiled layer runs the MLP as often as
-an untiled one, so what is left of the ratio is the per-shard overhead.
+(NOTE [Recompute ends before the tiled forward] in ddp_patches/tiled_mlp/function.py), a tiled layer runs the MLP as
+often as an untiled one, so what is left of the ratio is the per-shard overhead.
 """
 
 from __future__ import annotations

@@ -92,20 +92,20 @@ def apply(
             waits for them); each region more keeps one more layer input on the device.
         tiled_mlp: under DDP, FSDP2 or DeepSpeed ZeRO-1/2, run every gate/up/down MLP (found by structure on the
             model, any family; NOTE [MLPs found by structure]) tiled along the tokens where it pays, with a backward
-            that fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp.py).
+            that fires each DDP hook once (NOTEs in ddp_patches/tiled_mlp/).
         tiled_mlp_shard_tokens: at most this many tokens per MLP shard, always tiled; None: the rule by bytes,
             min(ceil(5 x intermediate / hidden), tokens // hidden) shards, untiled below 2
             (NOTE [Tiling by bytes]). Used with ``tiled_mlp``.
         tiled_attention: under DDP, run each decoder layer's input norm, q/k/v and
             o_proj (LoRA included) in token shards around the attention kernel, which sees the whole sequence
-            (found by structure; NOTEs in ddp_patches/tiled_attention.py). Steps aside under other engines.
+            (found by structure; NOTEs in ddp_patches/tiled_attention/). Steps aside under other engines.
         tiled_attention_shard_tokens: at most this many tokens per attention shard, always tiled; None: 4 shards
             where the call has at least 2 x hidden_size tokens (NOTE [Attention tiled by bytes]).
         chunked_loss: in training, a transformers causal LM (found by structure; VLMs and PEFT-wrapped models
             included) called with ``labels`` computes its loss from the final hidden states in chunks of tokens,
             never building the full logits or their float32 copy; its output's ``logits`` is then None. Acts under
             DDP (in one process nothing changes); steps aside with one line wherever the logits are
-            read or cannot be matched (NOTE [When the chunked loss acts] in ddp_patches/chunked_loss.py).
+            read or cannot be matched (NOTE [When the chunked loss acts] in ddp_patches/chunked_loss/rules.py).
         on_unsynced: what to do when an optimizer step is about to apply gradients DDP never averaged (the loss
             went through ``.module`` / an unwrapped model), or when the replica check finds ranks whose
             parameters differ: "warn" (default: one WARNING / ERROR line), "raise", or "off" (no guard; the

@@ -242,8 +242,8 @@ def test_chunk_rule_and_peak_bytes():
     with _PeakBytes() as unchunked:
         ForCausalLMLoss(head(h), labels, vocab).backward()
     with _PeakBytes() as chunked:
-        chunked_loss.chunked_causal_lm_loss(chunked_loss._Head(head, head.forward), h, labels, (head.weight,)) \
-            .backward()
+        head_fn = chunked_loss.function._Head(head, head.forward)
+        chunked_loss.chunked_causal_lm_loss(head_fn, h, labels, (head.weight,)).backward()
     assert unchunked.largest >= full_fp32
     assert chunked.largest < full_fp32 / 8  # 128 chunks of 4 tokens: no [tokens, V] tensor at all
     assert chunked.peak < unchunked.peak / 2

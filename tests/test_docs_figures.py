@@ -62,8 +62,8 @@ def test_a_changed_source_turns_a_figure_stale_in_every_renderer(tmp_path):
     assert provenance.stale(key, fresh) is None and provenance.mark(key, fresh) == ""
     old = copy.deepcopy(fresh)
     old["provenance"].update(commit="abcdef1234", sources={**old["provenance"]["sources"],
-                                                           "ddp_patches/tiled_mlp.py": "0" * 16})
-    assert provenance.changed(key, old) == {"abcdef1": ["ddp_patches/tiled_mlp.py"]}
+                                                           "ddp_patches/tiled_mlp/function.py": "0" * 16})
+    assert provenance.changed(key, old) == {"abcdef1": ["ddp_patches/tiled_mlp/function.py"]}
     for report, stale in ((fresh, False), (old, True)):
         (tmp_path / "tiled_mlp.json").write_text(json.dumps(report))
         rows = [r for r in readme_table(str(tmp_path)) if r.startswith("| tiled MLP alone")]

@@ -234,7 +234,7 @@ def discovery_case() -> dict:
                            "patched": "__wrapped__" in vars(vars(cls)["forward"]),
                            "same_grads": all(torch.allclose(g, p.grad, rtol=1e-12, atol=1e-14)
                                              for g, p in zip(grads, model.parameters())),
-                           "verdict": tiled_mlp._verdicts.get(cls)}
+                           "verdict": tiled_mlp.rules._verdicts.get(cls)}
     result["reverted"] = all("__wrapped__" not in vars(vars(c)["forward"]) for c in classes.values())
     return result
 
@@ -315,10 +315,10 @@ def test_intermediate_size_read_or_measured():
             self.gate_proj, self.up_proj, self.down_proj = gate, nn.Linear(8, 24), nn.Linear(24, 8)
 
     x = torch.randn(3, 8)
-    assert tiled_mlp._intermediate(MLP(nn.Linear(8, 24)), x) == 24
+    assert tiled_mlp.rules._intermediate(MLP(nn.Linear(8, 24)), x) == 24
     wrapped = MLP(nn.Sequential(nn.Linear(8, 24), nn.Identity()))
-    assert tiled_mlp._intermediate(wrapped, x) == 24
-    assert tiled_mlp._intermediate(wrapped, x) == 24  # cached: measured once
+    assert tiled_mlp.rules._intermediate(wrapped, x) == 24
+    assert tiled_mlp.rules._intermediate(wrapped, x) == 24  # cached: measured once
 
 
 def penalty_loss(model, batch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A tiled MLP is exact or untiled (NOTE [Hooks inside a tiled MLP] in ddp_patches/tiled_mlp.py): hooks inside the
+"""A tiled MLP is exact or untiled (NOTE [Hooks inside a tiled MLP] in ddp_patches/tiled_mlp/rules.py): hooks inside the
 MLP, tensor hooks on its parameters and trainable tensors from outside it make the call run untiled with one WARNING
 line; a parameter no shard used ends with grad None, as untiled.
 

@@ -1,8 +1,8 @@
 """Tiled MLP inside a non-reentrant checkpoint: the recompute ends before the tiled forward
-(NOTE [Recompute ends before the tiled forward] in ddp_patches/tiled_mlp.py).
+(NOTE [Recompute ends before the tiled forward] in ddp_patches/tiled_mlp/function.py).
 
 Each case trains 2 steps on 2 gloo ranks fed different data three ways -- untiled, the tiled path as it was before
-the change (``LegacyTiledMLPFunction`` below, swapped in for ``tiled_mlp.apply_tiled``), and the tiled path as it
+the change (``LegacyTiledMLPFunction`` below, swapped in for ``tiled_mlp.patch.apply_tiled``), and the tiled path as it
 is -- and counts the token rows that go through every gated MLP's ``gate_proj`` per step, in units of the rank's
 tokens per layer ("passes"). Untiled under a non-reentrant checkpoint: 2 (forward + the checkpoint's recompute).
 Tiled: the forward, then each shard again in the tiled backward; before the change the recompute ran the whole
@@ -23,7 +23,7 @@ import torch
 import ddp_patches
 from ddp_patches import engines, tiled_mlp
 from ddp_patches.offload import offloader as offload
-from ddp_patches.tiled_mlp import _autocast_state, _replay, _rng_state
+from ddp_patches.tiled_mlp.function import _autocast_state, _replay, _rng_state
 from ddp_patches.verify import fsdp2, hf_models, mlp_models, tiny, vlm_models
 from ddp_patches.verify.cpu_offload import cpu_path_offloader
 from ddp_patches.verify.parity import full_tensor, run_parity
@@ -94,16 +94,16 @@ def tiling(path: str):
             yield
         return
     missing = object()
-    kept = vars(tiled_mlp).get("apply_tiled", missing)
+    kept = vars(tiled_mlp.patch).get("apply_tiled", missing)  # the patched forward looks it up there
     if path == "legacy":
-        tiled_mlp.apply_tiled = _legacy_apply
+        tiled_mlp.patch.apply_tiled = _legacy_apply
     try:
         yield
     finally:
         if kept is missing:
-            vars(tiled_mlp).pop("apply_tiled", None)
+            vars(tiled_mlp.patch).pop("apply_tiled", None)
         else:
-            tiled_mlp.apply_tiled = kept
+            tiled_mlp.patch.apply_tiled = kept
 
 
 # -- models: build, batch, tokens per rank ------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def _tokens(batch) -> int:
 
 
 def _mlps(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if tiled_mlp._structure_problem(m) is None]
+    return [m for m in model.modules() if tiled_mlp.rules._structure_problem(m) is None]
 
 
 def _count_rows(model) -> list[int]:

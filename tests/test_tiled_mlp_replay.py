@@ -1,5 +1,5 @@
 """The tiled backward replays what the forward read (NOTE [The replay reads what the forward read] in
-ddp_patches/tiled_mlp.py): an in-place edit of a tensor the replay reads raises torch's own error, as untiled;
+ddp_patches/tiled_mlp/function.py): an in-place edit of a tensor the replay reads raises torch's own error, as untiled;
 parameters substituted for one call (``torch.func.functional_call``: sharpness-aware minimisation, perturbed
 weights; ``torch.nn.utils.parametrize``) are the ones differentiated.
 

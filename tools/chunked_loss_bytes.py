@@ -47,7 +47,8 @@ def measure(tokens: int, chunked: bool, dtype=torch.bfloat16, device="meta") -> 
     labels = torch.zeros(1, tokens, dtype=torch.long, device=device)
     with LiveBytes() as mode:
         if chunked:
-            loss = chunked_loss.chunked_causal_lm_loss(chunked_loss._Head(head, head.forward), hidden, labels, ())
+            loss = chunked_loss.chunked_causal_lm_loss(chunked_loss.function._Head(head, head.forward), hidden, labels,
+                                                       ())
         else:
             loss = ForCausalLMLoss(head(hidden), labels, VOCAB)
         loss.backward()

@@ -116,7 +116,7 @@ def check_class(module: torch.nn.Module) -> Row:
 
     cls = type(module)
     row = Row(cls.__module__.rsplit(".", 2)[-2], cls.__name__, "failing")
-    problem = tiled_mlp._structure_problem(module)
+    problem = tiled_mlp.rules._structure_problem(module)
     if problem is not None:  # e.g. fused expert weights named gate_proj: parameters, not projections
         row.status, row.detail = "untiled", problem
         return row
@@ -139,7 +139,7 @@ def check_class(module: torch.nn.Module) -> Row:
         row.detail = f"{type(exc).__name__}: {str(exc)[:160]}"
         return row
     if not ran_tiled:
-        row.status, row.detail = "untiled", tiled_mlp._verdicts.get(cls) or "not patched (discovery missed it)"
+        row.status, row.detail = "untiled", tiled_mlp.rules._verdicts.get(cls) or "not patched (discovery missed it)"
         return row
     err = max(relative_error(a, b) for a, b in zip(tiled, untiled))
     row.status, row.detail = ("tiled", f"{err:.1e}") if err <= TOL else ("failing", f"gradient error {err:.1e}")

@@ -379,7 +379,7 @@ def check_replicas(tracked: Any, *, every: int = 1, on_divergence: str = "warn",
     if tracked.drifted:
         tracked.drifted = False
         logger.warning("ddp_patches: rank %d: replica check before optimizer step %d of %s: the replicas agree "
-                       "again (NOTE [One ERROR per drift] in ddp_patches/replica_check.py)",
+                       "again (NOTE [One ERROR per drift] in ddp_patches/guard/replica_check.py)",
                        me, tracked.steps, tracked.label)
     return True
 

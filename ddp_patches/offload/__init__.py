@@ -1,8 +1,9 @@
 """Checkpoint inputs offloaded to pinned host memory between forward and backward (``apply(offload=True)``).
 
 ``offloader`` wires autograd's saved-tensor hooks around every non-reentrant checkpoint; ``policy`` decides what
-is kept on the device, ``copier`` moves the bytes, ``restore`` brings them back in any order, ``window`` accounts
-per optimizer step, ``pinned_pool`` owns the host buffers and ``probes`` names the torch internals relied on.
+is kept on the device, ``handles`` are what pack returns, ``copier`` moves the bytes, ``restore`` brings them back
+in any order, ``window`` accounts per optimizer step, ``pinned_pool`` owns the host buffers and ``probes`` names the
+torch internals relied on.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Offload policy: which checkpoint inputs may move, whether dropping one frees memory, and in-place edit checks.
 
-Pure functions of a tensor; no streams, no bookkeeping (``offloader.py`` orchestrates and holds the rules:
-NOTE [What is never offloaded] and NOTE [In-place edits after pack]).
+Pure functions of a tensor; no streams, no bookkeeping (``offloader.py`` orchestrates and holds the rule
+NOTE [What is never offloaded]; ``handles.py`` holds NOTE [In-place edits after pack]).
 """
 
 from __future__ import annotations
@@ -132,6 +132,6 @@ def check_version(witness: torch.Tensor, saved: int, shape, dtype) -> None:
             "one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{dtype} {list(shape)}], a checkpoint input, is at version {witness._version}; expected version "
             f"{saved} instead. (Raised by ddp_patches offload: NOTE [In-place edits after pack] in "
-            "ddp_patches/offload/offloader.py.) Hint: avoid modifying a checkpoint's input in place after the "
+            "ddp_patches/offload/handles.py.) Hint: avoid modifying a checkpoint's input in place after the "
             "checkpoint ran."
         )

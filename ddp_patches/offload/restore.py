@@ -33,7 +33,7 @@ class Restorer:
     """Serves unpacked handles and keeps at most ``prefetch_depth`` guesses in flight (NOTE [Any unpack order]).
 
     ``copier`` is a callable returning the copier (the offloader creates it lazily); the handles are
-    ``offloader._Offloaded`` objects, read through their attributes only.
+    ``handles._Offloaded`` objects, read through their attributes only.
     """
 
     def __init__(self, copier, prefetch_depth: int) -> None:

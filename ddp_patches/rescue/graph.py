@@ -41,7 +41,7 @@ _NO_NESTED_BACKWARD = frozenset({
     "bitsandbytes.autograd._functions.MatMul4Bit", "bitsandbytes.autograd._functions.MatMul8bitLt",
     "bitsandbytes.autograd._functions.MatMul8bitFp",
     "ddp_patches.rescue.edges._BackwardStart", "ddp_patches.rescue.edges._FireHooks",
-    "ddp_patches.tiled_mlp.SaveMLPInput", "ddp_patches.tiled_mlp.TiledMLPFunction",
+    "ddp_patches.tiled_mlp.function.SaveMLPInput", "ddp_patches.tiled_mlp.function.TiledMLPFunction",
     "torch.utils.checkpoint._NoopSaveInputs",  # held by a non-reentrant checkpoint's frame, never backpropagated
 })
 # Functions whose backward issues a collective on a process group (they run no nested backward either).
