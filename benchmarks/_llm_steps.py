@@ -199,8 +199,8 @@ def worker(args) -> None:
 
 
 # -- the library's per-parameter hooks, timed on their own ------------------------------------------------------
-HOOK_KEYS = ("post_hooks", "backward_start", "settle", "reset_unused", "forward_hooks", "trainable_guard",
-             "guard_post_accumulate", "guard_step", "guard_forward", "other_forward_hooks")
+HOOK_KEYS = ("post_hooks", "backward_start", "reducer_marking", "settle", "reset_unused", "forward_hooks",
+             "trainable_guard", "guard_post_accumulate", "guard_step", "guard_forward", "other_forward_hooks")
 # Timed, but shown apart from the library's Python time: DDP's own finalize
 # (NOTE [DDP's finalize inside the settle]), and the settle's one all-reduce of a float per parameter, most of which
 # is waiting for the slower rank (a wait that, without it, the next collective would take).
@@ -264,6 +264,8 @@ class _TimedHooks:
         self._class_attrs = [(reach._Recorder, "__call__", "post_hooks"),
                              (reach.UnusedParameterEdges, "backward_started", "backward_start"),
                              (reach.UnusedParameterEdges, "_settle", "settle"),
+                             # inside backward_start and settle: the reducer's own hook for each idle parameter
+                             (reach.UnusedParameterEdges, "_fire", "reducer_marking"),
                              (counts.CountAllReduce, "_reset_unused_everywhere", "reset_unused"),
                              (guard._Written, "__call__", "guard_post_accumulate"),
                              (guard_steps, "_check_step", "guard_step"),  # a module global, looked up by _pre_step

@@ -436,6 +436,7 @@ class UnusedParameterEdges(UnreachedAtStart, CountAllReduce):
             out = _FireHooks.apply(static, *(self._params[i] for i in missing))
         torch.autograd.backward(out, torch.zeros_like(out))
 
+
 class _Recorder:
     """AccumulateGrad post-hook: parameter ``index`` ran (any graph task, nested included)."""
 
