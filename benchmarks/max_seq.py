@@ -80,9 +80,9 @@ def build(args, device: str, fused_head: bool):
     from ddp_patches.verify.hf_models import enable_checkpointing
 
     if args.config_json:  # the real model's config (its rope, head width...), at --layers layers
-        from ddp_patches import memsim
+        from ddp_patches.plan import memsim, model as sim_model
 
-        config = memsim._with_layers(memsim._config(args.config_json), args.layers)
+        config = sim_model._with_layers(sim_model._config(args.config_json), args.layers)
         config.max_position_embeddings = 1 << 22
     else:
         config = AutoConfig.for_model("llama", vocab_size=args.vocab, hidden_size=args.hidden,
@@ -517,7 +517,7 @@ def extrapolate(sides: dict, args, layers: int = 32) -> dict:
 
 
 # -- the planner's prediction ---------------------------------------------------------------------------------------
-# The planner's setup for each side (ddp_patches/plan.py SETUPS).
+# The planner's setup for each side (ddp_patches/plan/search.py SETUPS).
 PLANNED = {"patched": "patched (tiled MLP + offload + fused head)", "best_unpatched": "best unpatched (+ fused head)",
            "plain_hf": "plain HF (checkpointing, unfused head)"}
 
@@ -529,9 +529,10 @@ def predicted(args) -> dict | None:
     fragmentation share (``plan.RESERVE_FRACTION``) below the cap. None without --config-json (no config to plan)."""
     if not args.plan or not args.config_json:
         return None
-    from ddp_patches import memsim, plan
+    from ddp_patches import plan
+    from ddp_patches.plan import memsim, model as sim_model
 
-    config = memsim._with_layers(memsim._config(args.config_json), args.layers)
+    config = sim_model._with_layers(sim_model._config(args.config_json), args.layers)
     cap = args.budget_mib << 20
     budget = int(((1 - plan.RESERVE_FRACTION) * cap + plan.RESERVE_BYTES) / (1 - plan.RESERVE_FRACTION)) + 1
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -685,9 +686,9 @@ def main(argv=None) -> int:
         args.hidden, args.intermediate, args.vocab, args.layers = 64, 256, 1024, 2
         args.budget_mib, args.start, args.resolution = 8, 256, 256
     if args.config_json:
-        from ddp_patches import memsim
+        from ddp_patches.plan import memsim, model as sim_model
 
-        text = memsim._text_config(memsim._config(args.config_json))
+        text = sim_model._text_config(sim_model._config(args.config_json))
         args.hidden, args.intermediate, args.vocab = text.hidden_size, text.intermediate_size, text.vocab_size
         args.heads, args.kv_heads = text.num_attention_heads, text.num_key_value_heads
         if args.whole:

@@ -31,7 +31,7 @@ _GUARD = _package("guard")
 _DDP_CORE = [*_RESCUE, "ddp_patches/checkpointing.py", *_GUARD, "ddp_patches/engines/__init__.py"]
 _TILED_MLP = _package("tiled_mlp")
 _CHUNKED_LOSS = _package("chunked_loss")
-_PLANNER = ["ddp_patches/memsim.py", "ddp_patches/plan.py", *_TILED_MLP, *_package("tiled_attention"),
+_PLANNER = [*_package("plan"), *_TILED_MLP, *_package("tiled_attention"),
             *_CHUNKED_LOSS]
 # result file -> the sources its figures depend on (what is measured, not the harness that launches it)
 SOURCES: dict[str, list[str]] = {

@@ -22,7 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ddp_patches import memsim, tiled_attention, tiled_mlp  # noqa: E402
+from ddp_patches import tiled_attention, tiled_mlp  # noqa: E402
+from ddp_patches.plan import memsim, model as sim_model  # noqa: E402
 
 
 class _CastLinear(torch.autograd.Function):
@@ -81,10 +82,10 @@ def layer_peak(tokens: int, variant: str, *, hidden: int = 4096, intermediate: i
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    memsim._register_attention()
+    sim_model._register_attention()
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, num_hidden_layers=1, vocab_size=16)
-    config._attn_implementation = memsim.ATTENTION
+    config._attn_implementation = sim_model.ATTENTION
     with torch.device("meta"):
         holder = torch.nn.Module()
         holder.layers = torch.nn.ModuleList([LlamaDecoderLayer(config, 0).to(torch.bfloat16)])
@@ -93,7 +94,7 @@ def layer_peak(tokens: int, variant: str, *, hidden: int = 4096, intermediate: i
     layer = model.base_model.model.layers[0]
     head_dim = hidden // heads
     with FakeTensorMode(allow_non_fake_inputs=True):
-        memsim._materialise(model)
+        sim_model._materialise(model)
         x = torch.empty(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
         cos, sin = (torch.empty(1, tokens, head_dim, dtype=torch.bfloat16) for _ in range(2))
         grad = torch.empty(1, tokens, hidden, dtype=torch.bfloat16)

@@ -5,7 +5,7 @@
 
 ``python -m ddp_patches plan --config PATH [--gpu-memory 80GiB] [--lora-r 16] [--seq N] [--batch 1] [--qlora]
 [--host-memory 1TiB] [--gpus-per-node 8] [--exact] [--json]``: the longest sequence each setup trains on one GPU,
-simulated (ddp_patches/plan.py).
+simulated (ddp_patches/plan/).
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-from ddp_patches import memsim, plan
+from ddp_patches import plan
+from ddp_patches.plan import live_bytes, memsim, planner, search
+from ddp_patches.plan import model as sim_model
 from tests.harness import ROOT
 
 GPU_PROOF = os.path.join(ROOT, "docs", "data", "gpu-proof.json")
@@ -64,7 +66,7 @@ def test_real_shapes_each_feature_lowers_the_peak(config):
     plain = memsim.simulate(config, seq, memsim.Features())
     fused = memsim.simulate(config, seq, memsim.Features(fused_head=True))
     patched = memsim.simulate(config, seq, memsim.Features(tiled_mlp=True, offload=True, fused_head=True))
-    text = memsim._text_config(memsim._config(config))
+    text = sim_model._text_config(sim_model._config(config))
     assert plain.device > fused.device > patched.device
     assert plain.weights == patched.weights and 14 * GiB < plain.weights < 16 * GiB  # about 7.6B bf16 weights
     one_input = seq * text.hidden_size * 2
@@ -199,7 +201,7 @@ def test_a_config_that_fails_in_the_simulation_is_one_line(tmp_path, capsys):
 
 def test_longest_fits_and_a_step_beyond_its_tolerance_does_not(tmp_path):
     """The search's answer fits the usable budget; one step of its tolerance (1/64, at least 1024) more does not."""
-    config = memsim._config(_tiny(tmp_path))
+    config = sim_model._config(_tiny(tmp_path))
     budget = int(2.5 * GiB)
     features = memsim.Features(fused_head=True)
     n, step = plan.longest(config, features, budget)
@@ -234,7 +236,7 @@ def test_pinned_cap_keeps_the_excess_on_the_device():
     """Offload under a pinned cap (the pool's power-of-two classes): the first middle inputs go to the host, the
     rest stay on the device. Extrapolated from 3 and 4 layers it matches 6 layers run whole: host and pinned bytes
     exactly, the device peak exactly at the LM head and at most 0.5% high in a recompute."""
-    config = memsim._config(_small(6))
+    config = sim_model._config(_small(6))
     features = memsim.Features(offload=True)
     seq = 8192
     one = seq * 256 * 2
@@ -254,11 +256,11 @@ def test_fast_search_matches_the_exact_one():
     """NOTE [The fast search]: the fitted line and its checks give the exact search's answer (``--exact``, to the
     resolution), its step equal to the full simulation (3 and 4 layers) there, for setups with and without offload
     (under a pinned cap that binds) and the unfused head, the runs of one setup shared across two budgets."""
-    config = memsim._config(_small(6))
+    config = sim_model._config(_small(6))
     budgets = (int(1.5 * GiB), int(1.75 * GiB))  # a few thousand tokens: short runs
     for features, pinned_cap in ((memsim.Features(tiled_mlp=True, offload=True, fused_head=True), 5 << 20),
                                  (memsim.Features(), None)):
-        line = plan._Line(config, features, pinned_cap=pinned_cap)
+        line = search._Line(config, features, pinned_cap=pinned_cap)
         for budget in budgets:
             fast, step = line.longest(budget)
             at = memsim.simulate(config, fast, features, pinned_cap=pinned_cap)
@@ -277,28 +279,28 @@ def test_plan_names_the_pinned_cap_a_row_needs():
     """NOTE [Host memory]: the default cap (a quarter of the host over its GPUs) is too small for the offload row,
     so the row names ``offload_max_pinned_bytes`` with the pinned bytes it needs, within what the host allows; a row
     that fits in the default cap says so."""
-    config = memsim._config(_small(6))
+    config = sim_model._config(_small(6))
     setup = plan.SETUPS[2]  # + offload
     default_cap, most = plan.pinned_limits(3 * GiB, 8)
     assert (default_cap, most) == (96 << 20, 192 << 20)
     n, step = plan.longest_fast(config, setup.features, int(2.5 * GiB), pinned_cap=most)
     assert 0 < step.pinned <= most and step.host <= step.pinned
-    how = plan._how(setup, step, default_cap)
+    how = planner._how(setup, step, default_cap)
     assert step.pinned > default_cap and f"offload_max_pinned_bytes={step.pinned}" in how
-    assert "default pinned cap suffices" in plan._how(setup, step, step.pinned)
+    assert "default pinned cap suffices" in planner._how(setup, step, step.pinned)
 
 
 def test_qlora_static_bytes_and_the_new_features():
     """QLoRA's NF4 base (0.5 byte a weight, double-quantised absmax) for the decoder's linear weights only; the
     library's chunked loss (its own Function) and tiled attention (its tile_model) run in the simulation."""
     numel = 4096 * 14336
-    assert memsim.nf4_bytes(numel) == numel // 2 + numel // 64 + 4 * (numel // 64 // 256) + 1024 + 4 + 64
-    config = memsim._config(_small(2))
-    bf16, lora = memsim.static_bytes(config, layers=2, lora_r=8)
-    nf4, lora_q = memsim.static_bytes(config, layers=2, lora_r=8, quant="nf4")
+    assert sim_model.nf4_bytes(numel) == numel // 2 + numel // 64 + 4 * (numel // 64 // 256) + 1024 + 4 + 64
+    config = sim_model._config(_small(2))
+    bf16, lora = sim_model.static_bytes(config, layers=2, lora_r=8)
+    nf4, lora_q = sim_model.static_bytes(config, layers=2, lora_r=8, quant="nf4")
     linear = 2 * (256 * 256 * 2 + 256 * 128 * 2 + 256 * 1024 * 3)  # q, o; k, v (2 kv heads of 64); gate, up, down
     assert lora_q == lora and bf16 - nf4 == 2 * linear - sum(
-        memsim.nf4_bytes(n) for n in [256 * 256] * 4 + [256 * 128] * 4 + [256 * 1024] * 6)
+        sim_model.nf4_bytes(n) for n in [256 * 256] * 4 + [256 * 128] * 4 + [256 * 1024] * 6)
     plain = memsim.activation_run(config, 2048, memsim.Features(), layers=2)
     chunked = memsim.activation_run(config, 2048, memsim.Features(chunked_loss=True), layers=2)
     assert chunked.peak["device"] < plain.peak["device"]
@@ -316,7 +318,7 @@ def test_kbit_preparation_keeps_float32_hidden_states():
     """NOTE [The k-bit preparation's float32]: PEFT's prepare_model_for_kbit_training upcasts what is not stored in
     4 bits (embeddings, norms, LM head) to float32, so the static bytes grow by exactly that, and each checkpointed
     layer's input is float32 (twice the bf16 bytes a token): the residual stream runs in float32 under autocast."""
-    config = memsim._config(_small(6))
+    config = sim_model._config(_small(6))
     seq = 2048
     plain = memsim.simulate(config, seq, memsim.Features(), quant="nf4")
     kbit = memsim.simulate(config, seq, memsim.Features(kbit_prep=True), quant="nf4")
@@ -350,7 +352,7 @@ def test_flash_backward_workspace_is_counted():
         q = torch.empty(1, 32, rows, 128, dtype=torch.bfloat16, requires_grad=True)
         k = torch.empty(1, 8, rows, 128, dtype=torch.bfloat16, requires_grad=True)
         v = torch.empty(1, 8, rows, 128, dtype=torch.bfloat16, requires_grad=True)
-        assert memsim.flash_backward_workspace(q, k) == 4 * unit + 32 * rows * 4
+        assert live_bytes.flash_backward_workspace(q, k) == 4 * unit + 32 * rows * 4
         live = memsim.LiveBytes()
         live.exclude([q, k, v])
         with live:
@@ -377,7 +379,7 @@ def test_device_queries_answered_in_live_bytes(monkeypatch):
     """``LiveBytes`` answers ``tensor.device`` itself (a large share of what
     a step dispatches), and the step's peaks, pinned bytes and peak phase are those of the same step with every
     query passed down to FakeTensorMode (the rule switched off)."""
-    config = memsim._config({"model_type": "llama", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512,
+    config = sim_model._config({"model_type": "llama", "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512,
                              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2})
     features = memsim.Features(tiled_mlp=True, offload=True, fused_head=True, tiled_attention=True)
     seen = []
@@ -396,5 +398,5 @@ def test_device_queries_answered_in_live_bytes(monkeypatch):
 
     answered = step()
     assert sum(seen) > len(seen) // 3, (sum(seen), len(seen))
-    monkeypatch.setattr(memsim, "_DEVICE", object())  # the rule off: every query goes down to FakeTensorMode
+    monkeypatch.setattr(live_bytes, "_DEVICE", object())  # the rule off: every query goes down to FakeTensorMode
     assert step() == answered
