@@ -6,6 +6,7 @@ blocks of docs/benchmarks.md (``readme_block``, ``long_context_block``, with oth
 from __future__ import annotations
 
 from . import memsim
+from . import model as sim_model
 from .search import (CALIBRATION, SETUPS, GiB, Setup, _check_plan, _Line, limit_of, longest, parse_bytes, setups,
                      simulate, usable)
 HOST_PINNABLE = 0.5  # of a GPU's share of host memory, the most the planner lets offload pin (NOTE [Host memory])
@@ -76,7 +77,7 @@ def default_jobs() -> int:
 
 def _map(function, tasks: list, jobs: int) -> list:
     """``function`` over ``tasks``, in order; in ``jobs`` forked processes (the simulation is CPU-bound Python)."""
-    if jobs <= 1 or len(tasks) <= 1 or memsim._models or memsim._static:
+    if jobs <= 1 or len(tasks) <= 1 or sim_model._models or sim_model._static:
         # a process that has built a simulated model already can hold a lock a forked child waits on forever (seen
         # once): fork only before the first simulation, as the command line does
         return [function(task) for task in tasks]
@@ -103,8 +104,8 @@ def plans(config, *, budgets: list[int], lora_r: int = 16, seq: int | None = Non
           quant: str | None = None, host: int | None = None, gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
           exact: bool = False, jobs: int | None = None) -> list[dict]:
     """``plan`` for each of ``budgets``, each setup's runs shared between them (NOTE [The fast search])."""
-    config = memsim._config(config)
-    text = memsim._text_config(config)
+    config = sim_model._config(config)
+    text = sim_model._text_config(config)
     for budget in budgets:
         _check_plan(text, budget, lora_r)
     default_cap, most_pinned = pinned_limits(host, gpus_per_node)
@@ -227,7 +228,7 @@ UNSLOTH_BASELINE = Setup(
 def baseline_row(config, budget: int = 80 * 10**9, *, lora_r: int = 32, quant: str | None = "nf4") -> dict:
     """Unsloth's HF baseline (QLoRA r=32, batch 1, 80 GB) as its recipe most likely ran, in memsim:
     NOTE [The k-bit preparation's float32]."""
-    config = memsim._config(config)
+    config = sim_model._config(config)
     n, step = _Line(config, UNSLOTH_BASELINE.features, lora_r=lora_r, quant=quant).longest(budget)
     return {"setup": UNSLOTH_BASELINE.name, "how": UNSLOTH_BASELINE.how, "budget": budget, "longest": n,
             "limit": limit_of(step) if step else "frozen weights and LoRA state alone",

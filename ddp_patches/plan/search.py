@@ -9,6 +9,7 @@ import dataclasses
 import re
 
 from . import memsim
+from . import model as sim_model
 
 GiB = memsim.GiB
 RESERVE_BYTES = 1 * GiB  # the CUDA context and allocator workspaces, beside the fragmentation share below
@@ -172,7 +173,7 @@ class _Line:
                  most: int = MOST_TOKENS, pinned_cap: int | None = None, **shape) -> None:
         self.config, self.features, self.lora_r, self.resolution, self.most = config, features, lora_r, resolution, most
         self.pinned_cap, self.shape = pinned_cap, shape
-        self.whole = memsim._text_config(config).num_hidden_layers <= memsim.PROBE_LAYERS[1]  # the cap applied inside
+        self.whole = sim_model._text_config(config).num_hidden_layers <= memsim.PROBE_LAYERS[1]  # the cap applied inside
         self.runs: dict[int, memsim.Step] = {}  # length -> its step, offload not capped (unless run whole)
         self.first: memsim.Step | None = None
 
@@ -274,7 +275,7 @@ def simulate(config, seq: int, features: memsim.Features, *, lora_r: int, **shap
     except (RuntimeError, ArithmeticError, LookupError, TypeError, AttributeError) as e:
         model_type = getattr(config, "model_type", "the model")
         raise ValueError(f"ddp_patches plan: a step of {model_type} at {seq:,} tokens failed in the "
-                         f"simulation ({type(e).__name__}: {memsim._first_line(e)}): expected the config of a "
+                         f"simulation ({type(e).__name__}: {sim_model._first_line(e)}): expected the config of a "
                          "decoder-only causal LM that runs at this length (e.g. llama, qwen2, mistral)") from None
 
 
