@@ -80,7 +80,7 @@ def build(args, device: str, fused_head: bool):
     from ddp_patches.verify.hf_models import enable_checkpointing
 
     if args.config_json:  # the real model's config (its rope, head width...), at --layers layers
-        from ddp_patches.plan import memsim, model as sim_model
+        from ddp_patches.plan import memsim, search, model as sim_model
 
         config = sim_model._with_layers(sim_model._config(args.config_json), args.layers)
         config.max_position_embeddings = 1 << 22
@@ -530,7 +530,7 @@ def predicted(args) -> dict | None:
     if not args.plan or not args.config_json:
         return None
     from ddp_patches import plan
-    from ddp_patches.plan import memsim, model as sim_model
+    from ddp_patches.plan import memsim, search, model as sim_model
 
     config = sim_model._with_layers(sim_model._config(args.config_json), args.layers)
     cap = args.budget_mib << 20
@@ -544,7 +544,7 @@ def predicted(args) -> dict | None:
         if features.fused_head and not memsim.fused_head_available():
             out[side] = {"setup": name, "longest": None, "why": "this TRL has no chunked head"}
             continue
-        n, step = plan._Line(config, features, lora_r=args.lora_r,
+        n, step = search._Line(config, features, lora_r=args.lora_r,
                              pinned_cap=default_cap if features.offload else None).longest(budget)
         out[side] = {"setup": name, "longest": n, "device_bytes": step.device if step else None,
                      "pinned": step.pinned if step else 0, "offload_modelled": args.device == "cuda"}
@@ -686,7 +686,7 @@ def main(argv=None) -> int:
         args.hidden, args.intermediate, args.vocab, args.layers = 64, 256, 1024, 2
         args.budget_mib, args.start, args.resolution = 8, 256, 256
     if args.config_json:
-        from ddp_patches.plan import memsim, model as sim_model
+        from ddp_patches.plan import memsim, search, model as sim_model
 
         text = sim_model._text_config(sim_model._config(args.config_json))
         args.hidden, args.intermediate, args.vocab = text.hidden_size, text.intermediate_size, text.vocab_size

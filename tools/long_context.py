@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         results.update(zip((f"QLoRA r=32 {size}" for size in SIZES), qlora))
         from ddp_patches import plan
 
-        # last: it simulates in this process, after which the planner no longer forks (plan._map)
+        # last: it simulates in this process, after which the planner no longer forks (plan/planner.py's _map)
         calibration["unsloth_baseline"] = plan.baseline_row(CONFIG, calibration["budget"])
         data = {"results": results, "calibration": calibration}
         with open(DATA, "w", encoding="utf-8") as f:
