@@ -45,21 +45,13 @@ class LiveBytes(TorchDispatchMode):
         self.pinned = 0  # pinned host bytes taken by offload (size classes), set by ``_offloading``
         self.phase = "embedding"  # set by the caller's hooks: "layer" or "head"
         self.peak_phase = self.phase
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        self._fake = FakeTensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and type(args[0]) is self._fake:  # answered here, as FakeTensorMode would: see _DEVICE
-            return _META if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         peak = self.peak["device"]
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            self._track(out, func)
-        else:
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self._track(t, func)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t, func)
         extra = []
         if func in _FLASH_BACKWARD and not self._paused:  # its workspace, beside its outputs while it runs
             workspace = flash_backward_workspace(args[1], args[2])
@@ -147,12 +139,6 @@ def _where() -> str:
 
 
 _FLASH_BACKWARD = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,)
-# ``tensor.device`` of a fake tensor reaches every mode as ``prim.device``: two in three of the calls a step
-# dispatches (autograd and the model code ask it). ``LiveBytes`` answers it as FakeTensorMode's own handler does (the
-# fake device, or meta inside a kernel) rather than passing it down: a device is no storage, so nothing counted
-# changes (tests/test_memsim.py::test_device_queries_answered_in_live_bytes).
-_DEVICE = torch.ops.prim.device.default
-_META = torch.device("meta")
 
 
 def flash_backward_workspace(query: torch.Tensor, key: torch.Tensor) -> int:
