@@ -406,3 +406,35 @@ def test_a_drift_is_reported_once_and_its_end_too(pool):
     rank0, rank1 = pool.run(drift_then_reload_then_drift, timeout=120)
     assert rank0["all"] == [], rank0
     assert rank1["all"] == [(3, "ERROR"), (5, "WARNING"), (7, "ERROR")], rank1
+
+
+def three_ranks_one_apart(steps: int = 4) -> dict:
+    """Rank 1 edits a weight after step 1 and stays apart. Sleeps before each step decide which partners' records
+    rank 0 finds when it checks: at step 3 only rank 2's (which agrees), at steps 2 and 4 rank 1's too."""
+    import time
+
+    import torch.distributed as dist
+
+    delays = {2: {0: 0.6, 2: 0.3}, 3: {0: 0.6, 1: 1.8}, 4: {0: 0.6, 2: 0.3}}
+    rank = dist.get_rank()
+    with ddp_patches.patched(replica_check_every=1), _Capture() as cap:
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for it in range(1, steps + 1):
+            cap.step = it
+            ddp(_batch(0, it)).pow(2).mean().backward()
+            time.sleep(delays.get(it, {}).get(rank, 0.0))
+            opt.step()
+            opt.zero_grad()
+            if it == 1 and rank == 1:
+                with torch.no_grad():
+                    ddp.module[0].weight[0, 0] += 1.0
+    return {"all": [(it, level) for it, level, _ in cap.records]}
+
+
+def test_three_ranks_one_apart_no_false_all_clear(pool3):
+    """Found by review: with a flag per DDP, rank 0 said "agree again" at step 3 (only rank 2's record there, which
+    agrees) while rank 1 was still apart, then reported the same drift again at step 4. Per partner: one ERROR."""
+    rank0 = pool3.run(three_ranks_one_apart, timeout=120)[0]
+    assert rank0["all"] == [(2, "ERROR")], rank0

@@ -371,25 +371,27 @@ def check_replicas(tracked: Any, *, every: int = 1, on_divergence: str = "warn",
     mine_bits = mine.numpy().tobytes()
     differ = [(partner, theirs) for partner, theirs in found
               if theirs.numel() != mine.numel() or theirs.numpy().tobytes() != mine_bits]
+    apart = {partner for partner, _ in differ}
+    if differ and (apart - tracked.drifted or on_divergence == "raise"):  # a partner not reported apart yet
+        _report_divergence(tracked, mine, differ, on_divergence)
+    together = sorted(tracked.drifted & {partner for partner, _ in found} - apart)
+    tracked.drifted = tracked.drifted - set(together) | apart
+    if together:
+        logger.warning("ddp_patches: rank %d: replica check before optimizer step %d of %s: this rank's parameters "
+                       "equal rank(s) %s's again (NOTE [One ERROR per drift] in ddp_patches/guard/replica_check.py)",
+                       me, tracked.steps, tracked.label, ", ".join(map(str, together)))
     if differ:
-        if not tracked.drifted or on_divergence == "raise":
-            _report_divergence(tracked, mine, differ, on_divergence)
-        tracked.drifted = True
         return False
-    if tracked.drifted:
-        tracked.drifted = False
-        logger.warning("ddp_patches: rank %d: replica check before optimizer step %d of %s: the replicas agree "
-                       "again (NOTE [One ERROR per drift] in ddp_patches/guard/replica_check.py)",
-                       me, tracked.steps, tracked.label)
     return True
 
 
 # NOTE [One ERROR per drift]
 # Invariant: a drift is reported once, where it is first seen, and its end is reported too; a log does not fill with
 # the same ERROR at every later check of a run whose replicas, once apart, stay apart (they do unless reloaded).
-# Rule: the first comparison that differs logs the ERROR (with on_unsynced="raise", each raises); later ones that
-# differ on that DDP say nothing; the first that agrees again logs one WARNING, and a new drift after it a new ERROR.
-# Per rank: each rank reports what it compared (the later of two ranks at a step count compares).
+# Rule: per partner a rank compares with (the later of two ranks at a step count compares): a partner found apart
+# for the first time logs the ERROR (with on_unsynced="raise", each comparison that differs raises); one already
+# apart says nothing more; one apart before and now equal logs one WARNING naming it, and may drift again, anew.
+# A partner whose record was not there to compare says nothing either way (three ranks, one of them apart).
 # Test: tests/test_replica_check.py::test_a_drift_is_reported_once_and_its_end_too
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §9
 

@@ -70,7 +70,7 @@ class _Tracked:
     steps: int = 0  # optimizer steps that touched this DDP's parameters
     stepped_aside: bool = False
     no_store: bool = False  # the replica check found no usable rendezvous store: it is off for this DDP
-    drifted: bool = False  # the replica check's last comparison differed, and said so: NOTE [One ERROR per drift]
+    drifted: set = field(default_factory=set)  # partners found apart and reported: NOTE [One ERROR per drift]
     warned: bool = False
     baseline: dict[int, int] = field(default_factory=dict)  # id(param) -> synced_forwards at its last step
     # id(param) -> averaged by a backward DDP prepared itself, for gradients written since the parameter's last step
