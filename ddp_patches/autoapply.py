@@ -31,8 +31,13 @@ if TYPE_CHECKING:
 ENABLE = "DDP_PATCHES_APPLY"
 LOG_LEVEL = "DDP_PATCHES_LOG_LEVEL"
 PREFIX = _options.ENV_PREFIX
-# Variables with the prefix that something other than an option reads: the validation harness's device choice.
-OTHER_VARIABLES = frozenset({ENABLE, LOG_LEVEL, "DDP_PATCHES_DEVICE"})
+NAMED = "DDP_PATCHES_UNKNOWN_NAMED"  # set where unknown variables were named: the launch's later processes stay quiet
+# Variables with the prefix that something other than an option reads: the validation harness's device choice, and
+# what this project's own tests and tools set.
+OTHER_VARIABLES = frozenset({ENABLE, LOG_LEVEL, NAMED, "DDP_PATCHES_DEVICE", "DDP_PATCHES_TEST_RUN",
+                             "DDP_PATCHES_CI_VENV", "DDP_PATCHES_RECORD_USER_REPORTS"})
+# Where a launcher says which rank a process is, in the order they are read (torchrun, Slurm, Open MPI, MPICH).
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 
 
@@ -179,9 +184,7 @@ def bootstrap() -> None:
         sys.stderr.write(f"{e}\n")
         sys.stderr.flush()
         os._exit(2)
-    if os.environ.get("RANK") == "0":  # one line per launch, from its rank 0
-        for line in unknown_variables(os.environ):
-            sys.stderr.write(f"WARNING {line}\n")
+    _name_unknown_variables(os.environ)
     if "torch" in sys.modules:  # imported by a .pth file before us: apply now
         apply_from_env()
     else:
@@ -208,6 +211,28 @@ def unknown_variables(environ: dict) -> list[str]:
         hint = f"did you mean {close[0]}?" if close else "the variables are listed in docs/options.md"
         lines.append(f"ddp_patches: {name} is not a variable ddp_patches reads, so it changes nothing ({hint})")
     return lines
+
+
+def _name_unknown_variables(environ) -> None:
+    """One WARNING line per unknown variable, once per launch: in its first process (a launcher's agent, or rank 0
+    where no launcher process ran this), not again in the processes it starts (they inherit ``NAMED``)."""
+    rank = next((environ[v] for v in RANK_VARIABLES if v in environ), None)
+    if environ.get(NAMED) or rank not in (None, "0"):
+        return
+    lines = unknown_variables(environ)
+    if not lines:
+        return
+    level = environ.get(LOG_LEVEL)
+    if not (level and _is_level(level) and _level_number(level) > 30):  # 30: WARNING; quieter levels hide it
+        for line in lines:
+            sys.stderr.write(f"WARNING {line}\n")
+    environ[NAMED] = "1"
+
+
+def _level_number(text: str) -> int:
+    import logging
+
+    return logging.getLevelName(text.strip().upper())
 
 
 def _is_level(text: str) -> bool:

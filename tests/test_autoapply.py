@@ -196,16 +196,23 @@ def test_the_import_check_does_not_run_a_lazily_loaded_module(tmp_path, monkeypa
     assert autoapply._import_in_progress() is False
 
 
-def test_a_misspelt_variable_is_named_once_on_rank_0():
+def test_a_misspelt_variable_is_named_once_per_launch():
     """An option variable spelt wrong (``DDP_PATCHES_TILED_MPL=1``) used to be ignored without a word: the run went
-    on untiled. Rank 0 of a launch names it, with the nearest option; the other ranks say nothing; nothing stops."""
-    code = "import torch; print('PROBE ran')"
+    on untiled. The launch's first process names it, with the nearest option; the processes it starts (ranks,
+    DataLoader workers) and other ranks say nothing more, nor do the project's own variables; nothing stops."""
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import torch'], check=True); "
+    code = child + "import torch; print('PROBE ran')"
     env = {"PYTHONPATH": os.pathsep.join([autoapply.BOOTSTRAP_DIR, os.environ.get("PYTHONPATH", ROOT)]),
-           autoapply.ENABLE: "1", "DDP_PATCHES_TILED_MPL": "1", "DDP_PATCHES_DEVICE": "cpu"}
-    rank0 = run([sys.executable, "-c", code], env={**env, "RANK": "0"})
-    rank1 = run([sys.executable, "-c", code], env={**env, "RANK": "1"})
-    assert rank0.returncode == 0 and rank1.returncode == 0, (rank0.stderr, rank1.stderr)
-    assert probes(rank0.stdout) == probes(rank1.stdout) == ["PROBE ran"]
-    warned = [line for line in rank0.stderr.splitlines() if "DDP_PATCHES_TILED_MPL" in line]
-    assert len(warned) == 1 and "did you mean DDP_PATCHES_TILED_MLP?" in warned[0], rank0.stderr
-    assert "DDP_PATCHES_DEVICE" not in rank0.stderr and "DDP_PATCHES_TILED_MPL" not in rank1.stderr, rank1.stderr
+           autoapply.ENABLE: "1", "DDP_PATCHES_TILED_MPL": "1", "DDP_PATCHES_DEVICE": "cpu",
+           "DDP_PATCHES_TEST_RUN": "1"}
+    runs = {name: run([sys.executable, "-c", code], env={**env, **extra}) for name, extra in
+            (("rank0", {"RANK": "0"}), ("rank1", {"RANK": "1"}), ("no rank", {}), ("slurm rank 1", {"SLURM_PROCID": "1"}),
+             ("quiet", {"RANK": "0", autoapply.LOG_LEVEL: "ERROR"}))}
+    for name, out in runs.items():
+        assert out.returncode == 0 and probes(out.stdout) == ["PROBE ran"], (name, out.stderr)
+        warned = [line for line in out.stderr.splitlines() if "DDP_PATCHES_" in line]
+        if name in ("rank0", "no rank"):  # once, though two processes started with it
+            assert len(warned) == 1 and "DDP_PATCHES_TILED_MPL" in warned[0], (name, out.stderr)
+            assert "did you mean DDP_PATCHES_TILED_MLP?" in warned[0], out.stderr
+        else:
+            assert warned == [], (name, out.stderr)
