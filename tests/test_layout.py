@@ -266,6 +266,19 @@ def _code_map() -> list[str]:
     return MAP_PATH.findall(text[text.index("<!-- code-map:start -->"):text.index("<!-- code-map:end -->")])
 
 
+def _described_modules(text: str | None = None) -> list[str]:
+    """The modules a row's description names (`` `x.py` ``, in the package the row gives first): each must exist."""
+    text = _read(CODE_MAP) if text is None else text
+    table = text[text.index("<!-- code-map:start -->"):text.index("<!-- code-map:end -->")]
+    named = []
+    for row in table.splitlines():
+        cells = row.split(" | ")
+        package = re.search(r"`(ddp_patches/[\w/]+?)/?`", cells[1]) if len(cells) > 2 else None
+        if package:  # the package / module column only
+            named += [f"{package.group(1)}/{name}" for name in re.findall(r"`(\w+\.py)`", cells[1])]
+    return named
+
+
 def _package_entries() -> list[str]:
     """Every module (``ddp_patches/x.py``) and package or folder (``ddp_patches/x/``) under ddp_patches/."""
     found = []
@@ -295,6 +308,9 @@ def test_every_module_is_on_the_code_map_and_every_path_there_exists():
     assert not missing, "missing from the code map in docs/development.md:\n  " + "\n  ".join(missing)
     dangling = [name for name in names if not _resolves(name)]
     assert not dangling, "the code map in docs/development.md names what does not exist:\n  " + "\n  ".join(dangling)
+    described = _described_modules()
+    gone = [path for path in described if not os.path.exists(os.path.join(ROOT, path))]
+    assert described and not gone, "the code map describes modules that do not exist:\n  " + "\n  ".join(gone)
     tests = re.findall(r"`(tests/[\w/]+\.py)`", _read(CODE_MAP))
     assert tests and all(os.path.exists(os.path.join(ROOT, t)) for t in tests), [t for t in tests if not _resolves(t)]
 
@@ -359,6 +375,8 @@ def test_the_code_map_check_sees_what_is_missing(tmp_path):
     (tmp_path / "ddp_patches" / "mod.py").write_text("")
     assert _resolves("ddp_patches/room", str(tmp_path)) and _resolves("ddp_patches/mod", str(tmp_path))
     assert not _resolves("ddp_patches/gone.py", str(tmp_path)) and not _resolves("ddp_patches/gone", str(tmp_path))
+    row = "<!-- code-map:start -->\n| x | `ddp_patches/rescue/` (`built.py`: y; `gone.py`: z) | §4 | t |\n<!-- code-map:end -->"
+    assert _described_modules(row) == ["ddp_patches/rescue/built.py", "ddp_patches/rescue/gone.py"]
 
 
 def _walk_names_that_do_not_exist() -> list[str]:
