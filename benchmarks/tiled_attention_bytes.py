@@ -60,7 +60,7 @@ def _tiled_mlp(layer):
 
     def forward(x):
         rows = x.numel() // x.shape[-1]
-        sizes = tiled_mlp.shard_sizes(rows, x.shape[-1], None, tiled_mlp.rules._intermediate(mlp, x))
+        sizes = tiled_mlp.shard_sizes(rows, x.shape[-1], None, tiled_mlp.rules.intermediate_width(mlp, x))
         if len(sizes) == 1:
             return original(x)
         params = tuple(p for p in mlp.parameters() if p.requires_grad)

@@ -341,13 +341,20 @@ def _private_imports_across_packages() -> list[str]:
             continue  # a top-level module: not a package's
         package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
         room = package.split(".")[1] if "." in package else None
-        for node in ast.walk(ast.parse(_read(path))):
+        tree = ast.parse(_read(path))
+        rooms: dict[str, str] = {}  # a local name bound to another room (``from .. import tiled_mlp``)
+        for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
             base = node.module or ""
             if node.level:
                 up = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}".split(".")
+                if len(target) >= 2 and target[0] == "ddp_patches" and target[1] != room and \
+                        os.path.isdir(os.path.join(PACKAGE, target[1])):
+                    rooms[alias.asname or alias.name] = ".".join(target)
             target = base.split(".")
             if len(target) < 2 or target[0] != "ddp_patches" or target[1] == room:
                 continue
@@ -355,13 +362,31 @@ def _private_imports_across_packages() -> list[str]:
                 continue  # a top-level module (probes, distributed): shared by every room
             found += [f"{_rel(path)}:{node.lineno}: {alias.name} from {base}" for alias in node.names
                       if alias.name.startswith("_") and not alias.name.startswith("__")]
+        found += sorted({f"{_rel(path)}:{line}: {chain}" for line, chain in _private_chains(tree, rooms)})
     return found
+
+
+def _private_chains(tree: ast.AST, rooms: dict[str, str]) -> list[tuple[int, str]]:
+    """``tiled_mlp.rules._x``: an attribute chain from a name bound to another room that reaches a private name."""
+    chains = []
+    for node in ast.walk(tree):
+        parts, inner = [], node
+        while isinstance(inner, ast.Attribute):
+            parts.append(inner.attr)
+            inner = inner.value
+        if isinstance(inner, ast.Name) and inner.id in rooms and parts:
+            private = [i for i, part in enumerate(parts) if part.startswith("_") and not part.startswith("__")]
+            if private and private[0] == 0:  # the outermost attribute is the first private one: report it once
+                chains.append((node.lineno, ".".join([inner.id, *reversed(parts)])))
+    return chains
 
 
 def test_no_package_imports_another_packages_private_names():
     """A room (rescue/, guard/, engines/, offload/, verify/, ...) uses another room through its public names only."""
     found = _private_imports_across_packages()
     assert not found, "private names imported across packages:\n  " + "\n  ".join(found)
+    tree = ast.parse("from .. import tiled_mlp\nx = tiled_mlp.rules._x(1)\ny = tiled_mlp.rules.public\n")
+    assert _private_chains(tree, {"tiled_mlp": "ddp_patches.tiled_mlp"}) == [(2, "tiled_mlp.rules._x")]
 
 
 def test_the_code_map_check_sees_what_is_missing(tmp_path):

@@ -315,10 +315,10 @@ def test_intermediate_size_read_or_measured():
             self.gate_proj, self.up_proj, self.down_proj = gate, nn.Linear(8, 24), nn.Linear(24, 8)
 
     x = torch.randn(3, 8)
-    assert tiled_mlp.rules._intermediate(MLP(nn.Linear(8, 24)), x) == 24
+    assert tiled_mlp.rules.intermediate_width(MLP(nn.Linear(8, 24)), x) == 24
     wrapped = MLP(nn.Sequential(nn.Linear(8, 24), nn.Identity()))
-    assert tiled_mlp.rules._intermediate(wrapped, x) == 24
-    assert tiled_mlp.rules._intermediate(wrapped, x) == 24  # cached: measured once
+    assert tiled_mlp.rules.intermediate_width(wrapped, x) == 24
+    assert tiled_mlp.rules.intermediate_width(wrapped, x) == 24  # cached: measured once
 
 
 def penalty_loss(model, batch) -> torch.Tensor:

@@ -143,7 +143,7 @@ def _tiling(model):
         def forward(x, original=original, mlp=mlp):
             hidden = x.shape[-1]
             rows = x.numel() // hidden
-            sizes = tiled_mlp.shard_sizes(rows, hidden, None, tiled_mlp.rules._intermediate(mlp, x))  # the patch rule
+            sizes = tiled_mlp.shard_sizes(rows, hidden, None, tiled_mlp.rules.intermediate_width(mlp, x))  # the patch rule
             if not torch.is_grad_enabled() or len(sizes) == 1:
                 return original(x)
             params = tuple(p for p in mlp.parameters() if p.requires_grad)

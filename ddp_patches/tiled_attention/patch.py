@@ -44,7 +44,7 @@ def _attention_forward(attn, original_forward: Callable, args: tuple, kwargs: di
     rows = hidden.numel() // max(hidden.shape[-1], 1)
     if len(shard_sizes(rows, source.shape[-1], shard_tokens)) < 2:
         return original_forward(attn, *args, **kwargs)
-    why = _hook_problem(attn, norm) or (tiled_mlp.rules._cached_parametrization(attn) and "a cached parametrization")
+    why = _hook_problem(attn, norm) or (tiled_mlp.rules.cached_parametrization(attn) and "a cached parametrization")
     if why:
         _declined(attn, norm, why)
         return original_forward(attn, *args, **kwargs)
@@ -79,7 +79,7 @@ def _norm_forward(norm, original_forward: Callable, args: tuple, kwargs: dict, f
     width = x.shape[-1]
     rows = x.numel() // max(width, 1)
     sizes = shard_sizes(rows, width, shard_tokens)
-    if len(sizes) < 2 or tiled_mlp.rules._hook_problem(norm, ()) is not None or _own_hook_problem(norm) is not None \
+    if len(sizes) < 2 or tiled_mlp.rules.hook_problem(norm, ()) is not None or _own_hook_problem(norm) is not None \
             or (before_mlp and _not_rowwise(norm, x, original_forward)):
         return original_forward(norm, *args, **kwargs)
     run = _in_shard(lambda shard: original_forward(norm, shard))
@@ -156,7 +156,7 @@ def _norms_pair(attn: torch.nn.Module, norm: torch.nn.Module | None) -> None:
 
 
 def _patch_class(cls: type, body: Callable) -> bool:
-    owner = tiled_mlp.patch._forward_owner(cls)
+    owner = tiled_mlp.patch.forward_owner(cls)
     if owner is None or REGISTRY.is_patched(owner, "forward"):
         return False
 
@@ -182,8 +182,8 @@ def tile_model(model: torch.nn.Module, shard_tokens: int | None = None):
             if module is None or "forward" in vars(module):
                 continue
             original = type(module).forward
-            if REGISTRY.is_patched(tiled_mlp.patch._forward_owner(type(module)) or type(module), "forward"):
-                original = REGISTRY.original(tiled_mlp.patch._forward_owner(type(module)), "forward")
+            if REGISTRY.is_patched(tiled_mlp.patch.forward_owner(type(module)) or type(module), "forward"):
+                original = REGISTRY.original(tiled_mlp.patch.forward_owner(type(module)), "forward")
             module.forward = lambda *a, _m=module, _o=original, _b=body, **k: _b(_m, _o, a, k, True, shard_tokens)
             patched.append(module)
     try:
@@ -212,6 +212,6 @@ def install(*, shard_tokens: int | None) -> list[str]:
     _verdicts.clear()
     _rowwise.clear()
     _outside.clear()
-    if discover not in tiled_mlp.patch._also_discover:
-        tiled_mlp.patch._also_discover.append(discover)
+    if discover not in tiled_mlp.patch.also_discover:
+        tiled_mlp.patch.also_discover.append(discover)
     return tiled_mlp.install_discovery()

@@ -137,7 +137,7 @@ def _hook_problem(attn: torch.nn.Module, norm: torch.nn.Module | None) -> str | 
         return why
     for module in (attn, norm):
         if module is not None:
-            why = tiled_mlp.rules._hook_problem(module, _params((module,)))
+            why = tiled_mlp.rules.hook_problem(module, _params((module,)))
             if why is not None:
                 return why
     return None
@@ -182,7 +182,7 @@ def _outside_check(attn: torch.nn.Module, norm: torch.nn.Module | None, x: torch
         if name == "q_proj":
             with torch.no_grad():
                 q_width = fn(rows).shape[-1]
-        why = tiled_mlp.rules._outside_tensor(holder, inp, lambda _m, r, fn=fn: fn(r))
+        why = tiled_mlp.rules.outside_tensor(holder, inp, lambda _m, r, fn=fn: fn(r))
         if why is not None:
             why = f"{name}: {why}"
             break
@@ -197,7 +197,7 @@ def _declined(attn: torch.nn.Module, norm: torch.nn.Module | None, why: str) -> 
 
 def _gate(module: torch.nn.Module, forced: bool) -> bool:
     """Whether this call may tile at all (before anything is looked at closely)."""
-    if _inside["depth"] or not torch.is_grad_enabled() or tiled_mlp.rules._settings["untiled"]:
+    if _inside["depth"] or not torch.is_grad_enabled() or tiled_mlp.rules.settings["untiled"]:
         return False
     if forced:
         return True

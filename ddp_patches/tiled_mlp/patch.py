@@ -18,12 +18,12 @@ from .. import engines
 from .._registry import REGISTRY
 from ..distributed import is_distributed, log_rank0_once
 from .function import apply_tiled
-from .rules import (_GATED, _cached_parametrization, _hooked, _long_enough, _measured_intermediate, _outside, _plan,
-                    _reaches_outside, _settings, _structure_problem, _verdict, _verdicts)
+from .rules import (_GATED, cached_parametrization, _hooked, _long_enough, _measured_intermediate, _outside, _plan,
+                    _reaches_outside, settings, _structure_problem, _verdict, _verdicts)
 
 logger = logging.getLogger("ddp_patches")
 
-_also_discover: list = []  # other tiled patches' discover(model), registered by their install()
+also_discover: list = []  # other tiled patches' discover(model), registered by their install()
 _counts = {"tiled_calls": 0, "shards": 0}
 
 
@@ -34,7 +34,7 @@ def counts() -> dict:
 
 def _make_tiled_forward(original_forward: Callable) -> Callable:
     def forward(self, *args, **kwargs):  # any call the original accepts passes through; only forward(x) tiles
-        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or _settings["untiled"] \
+        if len(args) != 1 or kwargs or not isinstance(args[0], torch.Tensor) or settings["untiled"] \
                 or not torch.is_grad_enabled() or not is_distributed() \
                 or engines.compiling():  # under dynamo: silent (a log call breaks the graph); NOTE [Engines]
             return original_forward(self, *args, **kwargs)
@@ -47,7 +47,7 @@ def _make_tiled_forward(original_forward: Callable) -> Callable:
         rows = x.numel() // hidden if hidden else 0
         params = tuple(p for p in self.parameters() if p.requires_grad)
         if not (params or x.requires_grad) or not _long_enough(rows, hidden) \
-                or _hooked(self, params) or _cached_parametrization(self) \
+                or _hooked(self, params) or cached_parametrization(self) \
                 or _verdict(self, x, original_forward) is not None \
                 or _reaches_outside(self, x, original_forward):
             return original_forward(self, x)
@@ -70,13 +70,13 @@ def _is_candidate_class(cls: type) -> bool:
     return all(n in names for n in _GATED)
 
 
-def _forward_owner(cls: type) -> type | None:
+def forward_owner(cls: type) -> type | None:
     owner = next((k for k in cls.__mro__ if "forward" in vars(k)), None)
     return None if owner in (None, torch.nn.Module) else owner
 
 
 def _patch_class(cls: type) -> bool:
-    owner = _forward_owner(cls)
+    owner = forward_owner(cls)
     if owner is None or REGISTRY.is_patched(owner, "forward"):
         return False
     REGISTRY.install(owner, "forward", _make_tiled_forward)
@@ -89,8 +89,8 @@ def discover(model: torch.nn.Module) -> list[str]:
     call it yourself for a non-transformers model that FSDP2 shards and that was built before apply()."""
     if not enabled():
         return []
-    found = [name for other in _also_discover for name in other(model)]  # apply(tiled_attention=True)'s
-    if not _settings["mlp"]:
+    found = [name for other in also_discover for name in other(model)]  # apply(tiled_attention=True)'s
+    if not settings["mlp"]:
         return found
     for cls in {type(m) for m in model.modules() if _structure_problem(m) is None}:
         if _patch_class(cls):
@@ -147,8 +147,8 @@ def install(*, shard_tokens: int | None) -> list[str]:
             f"(importing it failed: {exc}). Install it (pip install 'ddp_patches[hf]', or transformers>=4.46), or "
             "leave tiled_mlp off; the other patches need no transformers") from exc
 
-    _settings["shard_tokens"] = shard_tokens
-    _settings["mlp"] = True
+    settings["shard_tokens"] = shard_tokens
+    settings["mlp"] = True
     _counts.update(tiled_calls=0, shards=0)
     _verdicts.clear()
     _measured_intermediate.clear()
@@ -170,8 +170,8 @@ def install_discovery() -> list[str]:
 
 
 def _forget() -> None:
-    _settings["mlp"] = False
-    _also_discover.clear()
+    settings["mlp"] = False
+    also_discover.clear()
 
 
 REGISTRY.on_reset(_forget)

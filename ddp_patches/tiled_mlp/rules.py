@@ -26,7 +26,7 @@ _GATED = ("gate_proj", "up_proj", "down_proj")
 # outputs, the activation's, their product, down_proj's input).
 SAVED_PER_TOKEN = 5
 
-_settings: dict = {"shard_tokens": None, "untiled": 0, "mlp": False}  # mlp: apply(tiled_mlp=True)
+settings: dict = {"shard_tokens": None, "untiled": 0, "mlp": False}  # mlp: apply(tiled_mlp=True)
 _verdicts: dict[type, str | None] = {}  # class -> None (tiles) or why not; decided at its first call
 _measured_intermediate: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 _outside: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()  # per instance
@@ -35,11 +35,11 @@ _outside: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.Wea
 @contextlib.contextmanager
 def untiled():
     """Run patched MLPs untiled inside this block (a reference computation, evaluation code)."""
-    _settings["untiled"] += 1
+    settings["untiled"] += 1
     try:
         yield
     finally:
-        _settings["untiled"] -= 1
+        settings["untiled"] -= 1
 
 
 def shard_sizes(rows: int, hidden: int, shard_tokens: int | None, intermediate: int | None = None) -> list[int]:
@@ -68,18 +68,18 @@ def auto_shards(rows: int, hidden: int, intermediate: int) -> int:
 
 def _long_enough(rows: int, hidden: int) -> bool:
     """Could this call tile at all? (Before the probe and before I is read.)"""
-    shard_tokens = _settings["shard_tokens"]
+    shard_tokens = settings["shard_tokens"]
     return rows > shard_tokens if shard_tokens is not None else rows // max(hidden, 1) >= 2
 
 
 def _plan(module: torch.nn.Module, x: torch.Tensor, rows: int, hidden: int) -> list[int]:
-    shard_tokens = _settings["shard_tokens"]
+    shard_tokens = settings["shard_tokens"]
     if shard_tokens is not None:
         return shard_sizes(rows, hidden, shard_tokens)
-    return shard_sizes(rows, hidden, None, _intermediate(module, x))
+    return shard_sizes(rows, hidden, None, intermediate_width(module, x))
 
 
-def _cached_parametrization(module: torch.nn.Module) -> bool:
+def cached_parametrization(module: torch.nn.Module) -> bool:
     """Whether a parametrized weight of ``module`` would be cached inside the no_grad tiled forward (or a probe)
     and the replay then read it without history; logs why (NOTE [The replay reads what the forward read]).
     Decided before the probes: under the cache they would fill it with a tensor without history."""
@@ -113,7 +113,7 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 def _hooked(module: torch.nn.Module, params: tuple) -> bool:
     """Whether a hook would see this call differently tiled (NOTE [Hooks inside a tiled MLP]); logs why."""
-    why = _hook_problem(module, params)
+    why = hook_problem(module, params)
     if why is not None:
         log_rank0_once(f"tiled-hook-{type(module).__qualname__}-{why}", logging.WARNING,
                        "ddp_patches: tiled MLP: %s runs untiled: %s (hooks there would fire once per shard; "
@@ -122,7 +122,7 @@ def _hooked(module: torch.nn.Module, params: tuple) -> bool:
     return why is not None
 
 
-def _hook_problem(module: torch.nn.Module, params: tuple) -> str | None:
+def hook_problem(module: torch.nn.Module, params: tuple) -> str | None:
     from torch.nn.modules import module as module_mod
 
     for name in _GLOBAL_HOOKS:
@@ -157,7 +157,7 @@ def _hook_problem(module: torch.nn.Module, params: tuple) -> str | None:
 # the user's explicit choice and is always honoured.
 # Test: tests/test_tiled_mlp.py::test_auto_rule_shards_by_bytes.
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
-def _intermediate(module: torch.nn.Module, x: torch.Tensor) -> int:
+def intermediate_width(module: torch.nn.Module, x: torch.Tensor) -> int:
     """gate_proj's output features: ``out_features`` of an nn.Linear, a PEFT LoRA layer or a bitsandbytes layer;
     else measured once on one token (cached per module)."""
     gate = vars(module)["_modules"]["gate_proj"]
@@ -230,7 +230,7 @@ def _reaches_outside(module: torch.nn.Module, x: torch.Tensor, original_forward:
     """Per instance, at its first tiled call: whether a trainable tensor from outside its parameters reaches its
     output (NOTE [Hooks inside a tiled MLP]); logs why, once per class and reason."""
     if module not in _outside:
-        _outside[module] = _outside_tensor(module, x.detach().reshape(-1, x.shape[-1])[:2], original_forward)
+        _outside[module] = outside_tensor(module, x.detach().reshape(-1, x.shape[-1])[:2], original_forward)
         if _outside[module] is not None:
             cls = type(module)
             log_rank0_once(f"tiled-outside-{cls.__qualname__}-{_outside[module]}", logging.WARNING,
@@ -243,7 +243,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _outside_tensor(module: torch.nn.Module, rows: torch.Tensor, original_forward: Callable) -> str | None:
+def outside_tensor(module: torch.nn.Module, rows: torch.Tensor, original_forward: Callable) -> str | None:
     """A trainable tensor other than the MLP's own parameters that its output depends on (the tiled backward
     would not differentiate it: NOTE [Hooks inside a tiled MLP]); one small forward with grad, on 2 rows."""
     own = {id(p) for p in module.parameters()}
