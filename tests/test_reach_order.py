@@ -316,3 +316,17 @@ def test_the_custom_function_watch_starts_with_the_first_ddp(pool):
         ddp_patches.revert()
     for r in pool.run(watch_installed_case):
         assert r == {"apply": False, "ddp": True, "revert": False}
+
+
+def test_a_full_backward_hook_is_known_to_run_no_nested_backward():
+    """``register_full_backward_hook`` puts a BackwardHookFunction node in the graph; torch 2.13 moved it to
+    torch.nn.modules._functions, and under the old name alone the walk took it for a Function that may run a nested
+    backward: unreachable parameters then waited for the end of the backward instead of firing where DDP's own
+    find_unused_parameters=True marks them (NOTE [Unused parameters marked where DDP marks them])."""
+    from ddp_patches.rescue.graph import walk_graph
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    model[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    out = model(torch.randn(2, 4, requires_grad=True)).sum()
+    facts = walk_graph([out.grad_fn])
+    assert facts.may_nest is None and facts.collectives == [], facts

@@ -36,13 +36,15 @@ from .counts import _pick
 # Test: tests/test_reach_order.py::test_two_ddps_on_one_group_train_exactly.
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §7
 _NO_NESTED_BACKWARD = frozenset({
-    "torch.nn.parallel.distributed._DDPSink", "torch.utils.hooks.BackwardHookFunction",
+    "torch.nn.parallel.distributed._DDPSink",
+    # a module's full backward hooks: in torch.nn.modules._functions from torch 2.13, torch.utils.hooks before
+    "torch.nn.modules._functions.BackwardHookFunction", "torch.utils.hooks.BackwardHookFunction",
     "torch.nn.modules._functions.SyncBatchNorm", "torch.nn.modules._functions.CrossMapLRN2d",
     "bitsandbytes.autograd._functions.MatMul4Bit", "bitsandbytes.autograd._functions.MatMul8bitLt",
     "bitsandbytes.autograd._functions.MatMul8bitFp",
     "ddp_patches.rescue.edges._BackwardStart", "ddp_patches.rescue.edges._FireHooks",
     "ddp_patches.tiled_mlp.function.SaveMLPInput", "ddp_patches.tiled_mlp.function.TiledMLPFunction",
-    "torch.utils.checkpoint._NoopSaveInputs",  # held by a non-reentrant checkpoint's frame, never backpropagated
+    "torch.utils.checkpoint._NoopSaveInputs",  # (torch < 2.13) a non-reentrant checkpoint's frame, never run
 })
 # Functions whose backward issues a collective on a process group (they run no nested backward either).
 _COLLECTIVES = frozenset({f"torch.distributed.nn.functional.{name}" for name in (
