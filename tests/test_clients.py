@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.external import RUNNER, logged_losses, run_bounded, torchrun
+from tests.external import RUNNER, aborted_only_at_exit, logged_losses, run_bounded, torchrun
 from tests.harness import _free_port
 
 pytestmark = pytest.mark.e2e
