@@ -121,7 +121,9 @@ def _check_step(optimizer: torch.optim.Optimizer) -> None:
             continue
         forwards = tracked.synced_forwards
         if forwards != tracked.forwards_at_step:  # NOTE [The step check without a walk per step]
-            tracked.baseline.update(dict.fromkeys(mine, forwards))
+            # Pairs straight into the baseline: a temporary dict of the written ids (a fresh table) cost about 1 ms
+            # per step at 1,600 written tensors.
+            tracked.baseline.update(zip(mine, itertools.repeat(forwards)))
             if len(mine) == len(written):
                 written.clear()
             else:
