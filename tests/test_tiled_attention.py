@@ -9,7 +9,9 @@ import torch
 import ddp_patches
 from ddp_patches import tiled_attention, tiled_mlp
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "mistral"]
+# gemma3_text: q/k norms on heads already transposed; cohere: a parallel block (the MLP reads the input norm too)
+# whose LayerNorm computes in float32 even in fp64, so each gradient through it carries float32 rounding
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mistral", "cohere"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -71,7 +73,8 @@ def test_single_process_parity(family, checkpointed):
     with tiled_attention.tile_model(model, shard_tokens=4):  # 22 tokens: 6 shards
         tiled = _step(model, batch)
     assert tiled_attention.counts()["tiled_calls"] - before >= 2  # each layer (twice under checkpointing)
-    _assert_same(untiled, tiled, float32_names="norm" if family.startswith("gemma") else None)
+    _assert_same(untiled, tiled, 1e-6 if family == "cohere" else 1e-10,
+                 float32_names="norm" if family.startswith("gemma") else None)
     assert "forward" not in vars(model.get_base_model().model.layers[0].self_attn)  # restored
 
 

@@ -53,18 +53,24 @@ class _Given:
             return False
         if x is self.expect:
             return True
-        # q_norm's input: the projection's output viewed per head (its last dim split)
+        # q_norm's input: the projection's output viewed per head (its last dim split), heads moved or not
         e = self.expect
-        return (x.data_ptr() == e.data_ptr() and x.numel() == e.numel() and x.dim() == e.dim() + 1
-                and x.shape[:-2] == e.shape[:-1] and x.stride()[:-2] == e.stride()[:-1] and x.stride(-1) == 1
-                and x.stride(-2) == x.shape[-1])
+        return (self.value is e and x.data_ptr() == e.data_ptr() and x.numel() == e.numel()
+                and x.dim() == e.dim() + 1 and x.stride(-1) == 1 and x.shape[-1] > 0 and e.shape[-1] % x.shape[-1] == 0
+                and _dims(x) == _dims(e.view(*e.shape[:-1], -1, x.shape[-1])))
 
     def __call__(self, x, *args, **kwargs):
         if not args and not kwargs and self._matches(x):
             self.used += 1
-            return self.value.view(x.shape) if self.value.shape != x.shape and self.expect is not x else self.value
+            return self.value if x is self.expect else x.view(x.shape)  # a view of value: already normed per head
         self.missed += 1
         return self.real(x, *args, **kwargs)
+
+
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """A view's (size, stride) pairs in any order: two views of one storage that list the same pairs hold the same
+    elements, each row of the last dim the same contiguous run (a transpose of the heads keeps them)."""
+    return sorted((size, stride) for size, stride in zip(t.shape, t.stride()) if size != 1)
 
 
 class _TiledO:
