@@ -83,8 +83,26 @@ def _map(function, tasks: list, jobs: int) -> list:
         return [function(task) for task in tasks]
     import multiprocessing
 
+    _import_before_fork(tasks[0][0])
     with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks))) as pool:
         return pool.map(function, tasks, chunksize=1)
+
+
+def _import_before_fork(config) -> None:
+    """The modules every job imports (PEFT, TRL's head, the model's class), imported once here rather than in each
+    forked child (seconds each); importing builds no model, so the children may still fork after it."""
+    import importlib
+
+    from transformers import AutoModelForCausalLM
+
+    from .. import chunked_loss, tiled_attention, tiled_mlp  # noqa: F401
+    for name in ("peft", "transformers.integrations.sdpa_attention"):
+        importlib.import_module(name)
+    memsim.fused_head_available()  # imports trl.kernels where TRL has it
+    try:
+        AutoModelForCausalLM._model_mapping[type(config)]  # imports the model's modeling module
+    except (KeyError, AttributeError):
+        pass  # the child says what is wrong with the config, as before
 
 
 def _cost(features: memsim.Features) -> int:
