@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..verify.hf_models import enable_checkpointing
+
 
 def _config(config):
     """A transformers config from a PretrainedConfig, a dict with its model_type, a config.json or a model folder;
@@ -156,7 +158,7 @@ def build(config, *, layers: int, lora_r: int, dtype=torch.bfloat16):
                          "pass its language model's config (text_config with its own model_type)") from None
     _check_decoder(model, config.model_type)
     model.config.use_cache = False
-    model.gradient_checkpointing_enable({"use_reentrant": False})
+    enable_checkpointing(model, {"use_reentrant": False})  # the name this transformers has, no FutureWarning
     model.enable_input_require_grads()
     lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules="all-linear")
