@@ -427,7 +427,7 @@ class _HeadsFirst(torch.nn.Module):
 
     def __init__(self, q_norm_weight: bool = True, heads: int = 4, dim: int = 8, width: int = 32):
         super().__init__()
-        self.head_dim, self.train_path, self.scale_in_place = dim, False, False
+        self.head_dim, self.train_path, self.scale_in_place, self.dropout = dim, False, False, 0.0
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(self, name, torch.nn.Linear(width, heads * dim, dtype=torch.float64))
         self.o_proj = torch.nn.Linear(heads * dim, width, dtype=torch.float64)
@@ -441,7 +441,8 @@ class _HeadsFirst(torch.nn.Module):
             q.mul_(0.5)
         k = self.k_norm(self.k_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2))
         v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               dropout_p=self.dropout if self.training else 0.0)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -454,21 +455,24 @@ class _Block(torch.nn.Module):
         return x + self.self_attn(self.input_layernorm(x))
 
 
-def _grads(model, x, tiled: bool) -> tuple:
+def _grads(model, x, tiled: bool, checkpointed: bool = False) -> tuple:
     model.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
+    torch.manual_seed(5)  # the same attention dropout masks in both runs
     with tiled_attention.tile_model(model, shard_tokens=4) if tiled else contextlib.nullcontext():
-        out = model(x)
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum().backward()
     return out.detach(), [x.grad, *(p.grad for p in model.parameters())]
 
 
-@pytest.mark.parametrize("change", ["training-only path", "another instance's norm", "in-place after the norm"])
+@pytest.mark.parametrize("change", ["training-only path", "another instance's norm", "in-place after the norm",
+                                    "training-only path, checkpointed, attention dropout"])
 def test_a_call_unlike_the_probe_runs_again_untiled(change, caplog):
     """A class tiles after its first call's probe; a later call that goes another way (a path the probe did not
     take, another instance whose q_norm has no weight, so the shards norm another width, or an in-place edit
-    autograd refuses on the shards' views) is run again untiled, exact, with one WARNING, and the class stays
-    untiled. Before: silently wrong (gradients off by 0.4 to 1.3) or a RuntimeError untiled does not raise."""
+    autograd refuses on the shards' views) is run again untiled, exact, with one WARNING; under checkpointing
+    with attention dropout the recompute draws the forward's masks. Before: silently wrong (gradients off by 0.4
+    to 1.3) or a RuntimeError untiled does not raise. The first class's calls still tile."""
     torch.manual_seed(0)
     x = torch.randn(2, 8, 32, dtype=torch.float64)
     cls = type("HeadsFirst", (_HeadsFirst,), {})  # a class of its own: verdicts are per class
@@ -478,14 +482,18 @@ def test_a_call_unlike_the_probe_runs_again_untiled(change, caplog):
                                                                              _flat(_grads(first, x, True))))
     assert tiled_attention.counts()["tiled_calls"] == before + 1  # the first call tiled, exact
     later = _Block(cls(q_norm_weight=change != "another instance's norm"))
-    later.self_attn.train_path = change == "training-only path"
+    later.self_attn.train_path = change.startswith("training-only path")
     later.self_attn.scale_in_place = change == "in-place after the norm"
-    untiled = _grads(later, x, False)
+    checkpointed = change.endswith("dropout")
+    later.self_attn.dropout = 0.3 if checkpointed else 0.0
+    untiled = _grads(later, x, False, checkpointed)
+    before = tiled_attention.counts()["tiled_calls"]
     with caplog.at_level(logging.WARNING, logger="ddp_patches"):
-        tiled = _grads(later, x, True)
+        tiled = _grads(later, x, True, checkpointed)
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(_flat(untiled), _flat(tiled)))
-    assert "runs untiled" in caplog.text
-    assert tiled_attention.rules._verdicts[type(later.self_attn)] is not None
+    assert "runs untiled" in caplog.text and tiled_attention.counts()["tiled_calls"] == before
+    _grads(first, x, True)
+    assert tiled_attention.counts()["tiled_calls"] == before + 1  # the class's ordinary calls still tile
 
 
 def _flat(result: tuple) -> list:

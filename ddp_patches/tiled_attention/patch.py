@@ -62,9 +62,9 @@ def _attention_forward(attn, original_forward: Callable, args: tuple, kwargs: di
 # another way (a training-only path the no_grad, eval-mode probe did not take; another instance of the class with
 # another q/k norm; an in-place edit that autograd refuses on the shards' views) never returns a tiled result that
 # may differ from the untiled one, and never raises where untiled would not.
-# Rule: a tiled call whose stand-ins were not each used once, or whose forward raised, is discarded; the random
-# generators are put back where they were before it (a checkpoint's recompute then draws what the forward drew)
-# and the call runs untiled, as does the class from then on, with one WARNING saying why.
+# Rule: a tiled call whose stand-ins were not each used once, or whose forward raised, is discarded, the random
+# generators put back where they were before it, and the call runs untiled, with one WARNING saying why. The
+# verdict is per call, not kept: a checkpoint's recompute makes the same attempt and goes the way its forward went.
 # Test: tests/test_tiled_attention.py::test_a_call_unlike_the_probe_runs_again_untiled.
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 def _tiled_or_again_untiled(attn, norm, original_forward: Callable, args: tuple, kwargs: dict,
@@ -78,8 +78,7 @@ def _tiled_or_again_untiled(attn, norm, original_forward: Callable, args: tuple,
     except Exception as exc:  # noqa: BLE001 - untiled decides: it raises where torch would
         why = str(exc) if isinstance(exc, UnlikeTheProbe) else \
             f"its forward raised when tiled ({type(exc).__name__}: {str(exc)[:160]})"
-    _verdicts[type(attn)] = why
-    _declined(attn, norm, why)
+    _declined(attn, norm, why + "; each such call runs tiled, then again untiled")
     torch.set_rng_state(cpu_state)
     for d, state in zip(devices, cuda_states):
         torch.cuda.set_rng_state(state, d)
