@@ -90,6 +90,18 @@ def _plan_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600, cwd=ROOT, env=env)
 
 
+def test_the_jobs_run_after_a_parallel_op_in_the_parent():
+    """plan() called from a process that already ran one parallel torch op (its OpenMP pool started, which a forked
+    child cannot use): each forked job runs torch on its own thread and answers, where it used to wait forever."""
+    script = ("import torch\nfrom ddp_patches.plan import planner\n"
+              "def job(task):\n    return float(torch.zeros(1 << 22).add_(task[1]).sum())\n"
+              "torch.ones(1 << 22).add_(1)\n"
+              "print(planner._map(job, [(None, 1), (None, 2)], 2))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith(f"[{float(1 << 22)}, {float(2 << 22)}]"), out.stdout
+
+
 @pytest.mark.slow
 def test_plan_cli_on_a_local_config(tmp_path):
     """The planner on a local config.json, no network: each feature lengthens the longest sequence, and the

@@ -3,6 +3,9 @@ count under checkpointing, unknown attention untiled, and 2-rank DDP parity agai
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import pytest
 import torch
 
@@ -406,3 +409,92 @@ def test_lora_dropout_under_checkpointing_on_the_first_tiled_call():
             return _step(model, {"input_ids": ids, "labels": ids})
 
     _assert_same(first_step(False), first_step(True))
+
+
+class _RMS(torch.nn.Module):
+    def __init__(self, width: int, weight: bool = True):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.3 * torch.randn(width, dtype=torch.float64)) if weight else None
+
+    def forward(self, x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y if self.weight is None else y * self.weight
+
+
+class _HeadsFirst(torch.nn.Module):
+    """A user's attention: heads transposed before the q/k norms (as Gemma3); a training-only path that norms a
+    copy of q, and an in-place scale after the norm, each chosen per call."""
+
+    def __init__(self, q_norm_weight: bool = True, heads: int = 4, dim: int = 8, width: int = 32):
+        super().__init__()
+        self.head_dim, self.train_path, self.scale_in_place, self.dropout = dim, False, False, 0.0
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, torch.nn.Linear(width, heads * dim, dtype=torch.float64))
+        self.o_proj = torch.nn.Linear(heads * dim, width, dtype=torch.float64)
+        self.q_norm, self.k_norm = _RMS(dim, q_norm_weight), _RMS(dim)
+
+    def forward(self, hidden_states):
+        b, s, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_norm(q.contiguous() if self.train_path else q)
+        if self.scale_in_place:
+            q.mul_(0.5)
+        k = self.k_norm(self.k_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2))
+        v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                               dropout_p=self.dropout if self.training else 0.0)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.input_layernorm, self.self_attn = _RMS(32), attn
+
+    def forward(self, x):
+        return x + self.self_attn(self.input_layernorm(x))
+
+
+def _grads(model, x, tiled: bool, checkpointed: bool = False) -> tuple:
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    torch.manual_seed(5)  # the same attention dropout masks in both runs
+    with tiled_attention.tile_model(model, shard_tokens=4) if tiled else contextlib.nullcontext():
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)).sum().backward()
+    return out.detach(), [x.grad, *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("change", ["training-only path", "another instance's norm", "in-place after the norm",
+                                    "training-only path, checkpointed, attention dropout"])
+def test_a_call_unlike_the_probe_runs_again_untiled(change, caplog):
+    """A class tiles after its first call's probe; a later call that goes another way (a path the probe did not
+    take, another instance whose q_norm has no weight, so the shards norm another width, or an in-place edit
+    autograd refuses on the shards' views) is run again untiled, exact, with one WARNING; under checkpointing
+    with attention dropout the recompute draws the forward's masks. Before: silently wrong (gradients off by 0.4
+    to 1.3) or a RuntimeError untiled does not raise. The first class's calls still tile."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    cls = type("HeadsFirst", (_HeadsFirst,), {})  # a class of its own: verdicts are per class
+    first = _Block(cls())
+    before = tiled_attention.counts()["tiled_calls"]
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(_flat(_grads(first, x, False)),
+                                                                             _flat(_grads(first, x, True))))
+    assert tiled_attention.counts()["tiled_calls"] == before + 1  # the first call tiled, exact
+    later = _Block(cls(q_norm_weight=change != "another instance's norm"))
+    later.self_attn.train_path = change.startswith("training-only path")
+    later.self_attn.scale_in_place = change == "in-place after the norm"
+    checkpointed = change.endswith("dropout")
+    later.self_attn.dropout = 0.3 if checkpointed else 0.0
+    untiled = _grads(later, x, False, checkpointed)
+    before = tiled_attention.counts()["tiled_calls"]
+    with caplog.at_level(logging.WARNING, logger="ddp_patches"):
+        tiled = _grads(later, x, True, checkpointed)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(_flat(untiled), _flat(tiled)))
+    assert "runs untiled" in caplog.text and tiled_attention.counts()["tiled_calls"] == before
+    _grads(first, x, True)
+    assert tiled_attention.counts()["tiled_calls"] == before + 1  # the class's ordinary calls still tile
+
+
+def _flat(result: tuple) -> list:
+    return [result[0], *result[1]]

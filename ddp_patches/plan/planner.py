@@ -84,8 +84,16 @@ def _map(function, tasks: list, jobs: int) -> list:
     import multiprocessing
 
     _import_before_fork(tasks[0][0])
-    with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks))) as pool:
+    with multiprocessing.get_context("fork").Pool(min(jobs, len(tasks)), initializer=_one_thread) as pool:
         return pool.map(function, tasks, chunksize=1)
+
+
+def _one_thread() -> None:
+    """In a forked job: torch's ops run on the calling thread. A parent that ran one parallel op has started its
+    OpenMP pool, which a forked child cannot use (the child waits on it forever); the jobs already share the CPUs."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _import_before_fork(config) -> None:

@@ -37,20 +37,24 @@ def counts() -> dict:
 # forward runs with its q/k/v_proj (and q/k_norm) answering with those tensors for exactly the input they were
 # made from, and o_proj running tiled on whatever it is given. A class is tiled after one probe at its first call
 # (no_grad, dropout off: tiled and untiled outputs agree, and each stand-in was used once as expected); else it runs
-# untiled with one log line saying why. A stand-in called otherwise later runs the real module.
+# untiled with one log line saying why; a later call that goes otherwise:
+# NOTE [A call unlike the probe runs again untiled].
 # Test: tests/test_tiled_attention.py::test_single_process_parity.
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
 class _Given:
     """Stands in for a projection inside the class's forward: ``value`` for ``expect`` (once), else the real
     module. As q_norm/k_norm's stand-in, ``expect`` is the projection's stand-in output, viewed per head."""
 
-    def __init__(self, real: torch.nn.Module, expect: torch.Tensor | None, value: torch.Tensor | None):
-        self.real, self.expect, self.value = real, expect, value
+    def __init__(self, real: torch.nn.Module, expect: torch.Tensor | None, value: torch.Tensor | None,
+                 normed: int | None = None):
+        self.real, self.expect, self.value, self.normed = real, expect, value, normed  # normed: the norm's width
         self.used, self.missed = 0, 0
 
     def _matches(self, x: torch.Tensor) -> bool:
         if self.expect is None or self.used or not isinstance(x, torch.Tensor):
             return False
+        if self.normed is not None and x.shape[-1] != self.normed:
+            return False  # a norm over other groups than the shards normed
         if x is self.expect:
             return True
         # q_norm's input: the projection's output viewed per head (its last dim split), heads moved or not
@@ -183,12 +187,24 @@ def _projection(attn: torch.nn.Module, name: str, norm: torch.nn.Module | None, 
         h = norm(shard) if norm is not None and inside else shard
         out = proj(h)
         if qk_norm is not None:
-            per_head = isinstance(head_dim, int) and out.shape[-1] != head_dim and out.shape[-1] % head_dim == 0 \
-                and getattr(getattr(qk_norm, "weight", None), "numel", lambda: -1)() == head_dim
-            out = qk_norm(out.view(*out.shape[:-1], -1, head_dim)).reshape(out.shape) if per_head else qk_norm(out)
+            width = _normed_width(qk_norm, head_dim, out.shape[-1])
+            out = qk_norm(out.view(*out.shape[:-1], -1, width)).reshape(out.shape) if width != out.shape[-1] \
+                else qk_norm(out)
         return out
 
     return _in_shard(run) if inside else run
+
+
+def _normed_width(qk_norm: torch.nn.Module, head_dim, width: int) -> int:
+    """The groups a q/k norm runs over in the shards: per head where its weight is one head's, else the width."""
+    per_head = isinstance(head_dim, int) and width != head_dim and head_dim > 0 and width % head_dim == 0 \
+        and getattr(getattr(qk_norm, "weight", None), "numel", lambda: -1)() == head_dim
+    return head_dim if per_head else width
+
+
+class UnlikeTheProbe(RuntimeError):
+    """A tiled call whose stand-ins were not each used once as at the probe: its result is not trusted
+    (NOTE [A call unlike the probe runs again untiled])."""
 
 
 def _modules_of(attn: torch.nn.Module, name: str, norm: torch.nn.Module | None) -> tuple:
@@ -243,7 +259,8 @@ def _tiled_call(attn: torch.nn.Module, original_forward: Callable, args: tuple, 
         given[name] = _Given(_children(attn)[name], hidden, value)
         qk = _children(attn).get(name[0] + "_norm") if name in ("q_proj", "k_proj") else None
         if qk is not None:
-            given[name[0] + "_norm"] = _Given(qk, value, value)
+            given[name[0] + "_norm"] = _Given(qk, value, value, _normed_width(qk, getattr(attn, "head_dim", None),
+                                                                              value.shape[-1]))
     given["o_proj"] = _TiledO(_children(attn)["o_proj"], sizes)
     own = vars(attn)
     for name, stand_in in given.items():
@@ -255,7 +272,11 @@ def _tiled_call(attn: torch.nn.Module, original_forward: Callable, args: tuple, 
             own.pop(name, None)
     if stats is not None:  # the probe's call: not counted
         stats.extend((name, s.used, s.missed) for name, s in given.items())
-    else:
-        _counts["tiled_calls"] += 1
-        _counts["shards"] += len(sizes)
+        return result
+    odd = [f"{name} used {s.used}x, called otherwise {s.missed}x" for name, s in given.items()
+           if s.used != 1 or s.missed]
+    if odd:
+        raise UnlikeTheProbe("a call did not use its projections once each as its first did (" + "; ".join(odd) + ")")
+    _counts["tiled_calls"] += 1
+    _counts["shards"] += len(sizes)
     return result

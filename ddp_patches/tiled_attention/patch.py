@@ -18,7 +18,7 @@ import torch
 from .. import tiled_mlp
 from .._registry import REGISTRY
 from ..distributed import log_rank0_once
-from .call import _children, _counts, _hidden, _in_shard, _normed, _params, _tiled_call
+from .call import UnlikeTheProbe, _children, _counts, _hidden, _in_shard, _normed, _params, _tiled_call
 from .rules import (_declined, _gate, _hook_problem, _not_rowwise, _outside, _outside_problem, _own_hook_problem,
                     _rowwise, _settings, _structure_problem, _verdict, _verdicts, shard_sizes)
 
@@ -54,7 +54,35 @@ def _attention_forward(attn, original_forward: Callable, args: tuple, kwargs: di
     if why:
         _declined(attn, norm, why)
         return original_forward(attn, *args, **kwargs)
-    return _tiled_call(attn, original_forward, args, kwargs, _sizes_for(shard_tokens))
+    return _tiled_or_again_untiled(attn, norm, original_forward, args, kwargs, shard_tokens)
+
+
+# NOTE [A call unlike the probe runs again untiled]
+# Invariant: a class that passed its probe (NOTE [The attention's own forward runs]) but whose later call goes
+# another way (a training-only path the no_grad, eval-mode probe did not take; another instance of the class with
+# another q/k norm; an in-place edit that autograd refuses on the shards' views) never returns a tiled result that
+# may differ from the untiled one, and never raises where untiled would not.
+# Rule: a tiled call whose stand-ins were not each used once, or whose forward raised, is discarded, the random
+# generators put back where they were before it, and the call runs untiled, with one WARNING saying why. The
+# verdict is per call, not kept: a checkpoint's recompute makes the same attempt and goes the way its forward went.
+# Test: tests/test_tiled_attention.py::test_a_call_unlike_the_probe_runs_again_untiled.
+# Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.1
+def _tiled_or_again_untiled(attn, norm, original_forward: Callable, args: tuple, kwargs: dict,
+                            shard_tokens: int | None):
+    device = _hidden(args, kwargs).device
+    devices = [device] if device.type == "cuda" else []
+    cpu_state = torch.get_rng_state()
+    cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+    try:
+        return _tiled_call(attn, original_forward, args, kwargs, _sizes_for(shard_tokens))
+    except Exception as exc:  # noqa: BLE001 - untiled decides: it raises where torch would
+        why = str(exc) if isinstance(exc, UnlikeTheProbe) else \
+            f"its forward raised when tiled ({type(exc).__name__}: {str(exc)[:160]})"
+    _declined(attn, norm, why + "; each such call runs tiled, then again untiled")
+    torch.set_rng_state(cpu_state)
+    for d, state in zip(devices, cuda_states):
+        torch.cuda.set_rng_state(state, d)
+    return original_forward(attn, *args, **kwargs)
 
 
 # NOTE [The input norm inside]
