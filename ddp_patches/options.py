@@ -130,7 +130,7 @@ OPTIONS: tuple[Option, ...] = (
            "you want a fixed shard size",
            least=1, automatic=True, noun="a number of tokens per shard"),
     Option("tiled_attention", "bool", False,
-           "under DDP, each layer's input norm, q/k/v and o_proj (LoRA included) run in token shards around the "
+           "under DDP, FSDP2 and DeepSpeed ZeRO-1/2, each layer's input norm, q/k/v and o_proj (LoRA included) run in token shards around the "
            "whole-sequence attention kernel, and the other norms (before the MLP, the model's last) per shard too; "
            "each DDP hook still fires once",
            "long sequences: with LoRA their float32 copies dominate a layer's backward"),
@@ -141,7 +141,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("chunked_loss", "bool", False,
            "in training, a causal LM (any family, VLMs and PEFT included) called with `labels` computes its loss "
            "from the hidden states in chunks of tokens, never building the full logits; its `logits` output is "
-           "then None; under DDP",
+           "then None; under DDP, FSDP2 and DeepSpeed ZeRO-1/2",
            "long sequences or large vocabularies, where the logits dominate (Llama-3.1-8B at 64K tokens, "
            "simulated: 126 GiB at peak for the loss path, 6.4 GiB chunked)"),
     Option("offload_min_bytes", "int", 1 << 20,

@@ -198,17 +198,18 @@ def test_steps_aside_where_logits_are_read(caplog):
     assert "_SmoothingTrainer computes the loss from the logits itself (label smoothing)" in lines[2], lines
 
 
-def test_other_engines_step_aside_with_one_warning(caplog):
+@pytest.mark.parametrize("engine", ["FSDP1", "DeepSpeed"])
+def test_other_engines_step_aside_with_one_warning(caplog, engine):
     from ddp_patches import engines
 
     torch.manual_seed(0)
     model = build_causal_lm("llama").train()
     with caplog.at_level(logging.INFO, logger="ddp_patches"), ddp_patches.patched(chunked_loss=True), \
-            engines.acting_as(engines.FSDP2):
+            engines.acting_as(engine):
         for _ in range(2):
             assert model(**_batch(6)).logits is not None
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(lines) == 1 and "the chunked LM loss" in lines[0] and "FSDP2" in lines[0], lines
+    assert len(lines) == 1 and "the chunked LM loss" in lines[0] and engine in lines[0], lines
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
@@ -485,3 +486,23 @@ def test_a_batch_without_tokens_gives_zero_gradients_as_transformers():
         out, got = _grads(_lora_lm(True), batch)
     assert out.logits is None and torch.isnan(out.loss) and torch.isnan(ref_out.loss)
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def fsdp2_case(lm_head: bool) -> dict:
+    from ddp_patches.verify.fsdp2 import run_fsdp2_parity
+    from ddp_patches.verify.hf_models import combine_lm, lm_loss
+
+    with ddp_patches.patched(chunked_loss=True), chunked_loss.chunk_rows(5):
+        result = run_fsdp2_parity(lambda: _lora_lm(lm_head), _padded_lm_batch, combine_lm, lm_loss, accum=2,
+                                  iters=2, reference_context=chunked_loss.unchunked)
+        return {**result.as_dict(), "counts": chunked_loss.counts()}
+
+
+@pytest.mark.parametrize("lm_head", [True, False], ids=["lora-on-lm_head", "frozen-lm_head"])
+def test_fsdp2_parity(pool, lm_head):
+    """FSDP2 (``fully_shard`` per decoder layer + root, the LM head in the root's group), 2 ranks with different
+    data and padding, accumulation 2, against a single process on the global batch, unchunked."""
+    for r in pool.run(fsdp2_case, lm_head=lm_head):
+        assert r["iterations"] == 2 and r["ranks_in_sync"]
+        assert r["max_rel_error"] < 1e-6, r
+        assert r["counts"]["chunked_calls"] == 4, r

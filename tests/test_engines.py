@@ -31,9 +31,10 @@ def test_module_of_finds_the_module_behind_a_checkpointed_function():
 
 @pytest.mark.parametrize("env,engine,acting", [
     ({}, engines.NONE, []),
-    ({"WORLD_SIZE": "2"}, engines.DDP, ["checkpointing", "reducer", "offload", "tiled_mlp", "tiled_attention"]),
+    ({"WORLD_SIZE": "2"}, engines.DDP,
+     ["checkpointing", "reducer", "offload", "tiled_mlp", "tiled_attention", "chunked_loss"]),
     ({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, engines.FSDP2,
-     ["offload", "tiled_mlp"]),
+     ["offload", "tiled_mlp", "tiled_attention", "chunked_loss"]),
     ({"WORLD_SIZE": "2", "ACCELERATE_USE_FSDP": "true"}, engines.FSDP1, []),
     ({"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"}, engines.DEEPSPEED, []),
 ])
@@ -428,3 +429,23 @@ def test_nested_reentrant_checkpoints_under_ddp(pool):
     it tests/test_tiled_mlp.py's checkpointed stacks raise CheckpointError; nested checkpoints pass either way.)"""
     for r in pool.run(nested_checkpoints):
         assert r["max_rel_error"] <= 1e-12 and r["ranks_in_sync"], r
+
+
+def fsdp2_tiled_attention(dtype=torch.float64, reshard_after_forward=True, accum=2):
+    from ddp_patches import tiled_attention, tiled_mlp
+    from ddp_patches.verify import fsdp2
+    from ddp_patches.verify.hf_models import build_lora_model, combine_lm, lm_batch, lm_loss
+
+    with library_warnings() as lines, ddp_patches.patched(tiled_attention=True, tiled_attention_shard_tokens=4):
+        result = fsdp2.run_fsdp2_parity(lambda: build_lora_model("llama", {"use_reentrant": False}, dtype=dtype),
+                                        lm_batch, combine_lm, lm_loss, reshard_after_forward=reshard_after_forward,
+                                        accum=accum, reference_context=tiled_mlp.untiled).as_dict()
+        result["counts"] = tiled_attention.counts()
+    return {**result, "log": lines}
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "no-reshard"])
+def test_fsdp2_tiled_attention_parity(pool, reshard_after_forward):
+    for r in pool.run(fsdp2_tiled_attention, reshard_after_forward=reshard_after_forward):
+        assert r["max_rel_error"] <= 1e-9 and r["ranks_in_sync"], r
+        assert r["counts"]["tiled_calls"] > 0, r

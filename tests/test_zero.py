@@ -155,20 +155,23 @@ def test_without_zero_reentrant_checkpoints_stay_as_asked(pool):
 
 # -- LoRA on a tiny Llama: HF's reentrant checkpointing, the tiled MLP, offload ----------------------------------
 def lora_llama(stage: int = 2, ckpt_kwargs: dict | None = None, accum: int = 2, patched: bool = True, tiled: bool = False,
-               offload: bool = False, second_forward: bool = False, steps: int = 2) -> dict:
+               offload: bool = False, second_forward: bool = False, steps: int = 2, attention: bool = False,
+               chunked: bool = False) -> dict:
     """PEFT LoRA on a tiny Llama (fp32) under ZeRO ``stage`` (``ckpt_kwargs`` None: no checkpointing); ``second_forward``: each micro-batch's loss is the sum
     of two forwards of the model (a weight in two checkpoints per backward, as R-Drop or a contrastive loss do)."""
     from peft import LoraConfig, get_peft_model
 
+    from ddp_patches import chunked_loss, tiled_attention, tiled_mlp
     from ddp_patches import offload as offload_patch
-    from ddp_patches import tiled_mlp
     from ddp_patches.verify.cpu_offload import cpu_path_offloader
     from ddp_patches.verify.hf_models import LORA_TARGETS, build_causal_lm, enable_checkpointing, lm_batch
 
     deepspeed = _deepspeed()
     rank = torch.distributed.get_rank()
     forced = cpu_path_offloader()  # the offload code path on CPU tensors (NOTE [Copies, streams and lifetimes])
-    patches = library(patched, tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None, offload=offload)
+    patches = library(patched, tiled_mlp=tiled, tiled_mlp_shard_tokens=5 if tiled else None, offload=offload,
+                      tiled_attention=attention, tiled_attention_shard_tokens=4 if attention else None,
+                      chunked_loss=chunked)
     offloading = offload_patch.use_offloader(forced) if offload else contextlib.nullcontext()
     with library_warnings() as lines, patches, offloading:
         torch.manual_seed(0)
@@ -188,6 +191,8 @@ def lora_llama(stage: int = 2, ckpt_kwargs: dict | None = None, accum: int = 2, 
         result = _train(engine, trainable, lambda step, micro: lm_batch(rank, step, micro), accum, steps, loss_of)
         result["tiled_calls"] = tiled_mlp.counts()["tiled_calls"] if patched else 0
         result["offloaded"] = forced.stats.offloaded_tensors + forced.stats.kept_last
+        result["attention_calls"] = tiled_attention.counts()["tiled_calls"] if patched else 0
+        result["chunked_calls"] = chunked_loss.counts()["chunked_calls"] if patched else 0
     return {**result, "log": lines}
 
 
@@ -219,6 +224,20 @@ def test_tiled_mlp_and_offload_act_under_zero2_with_parity(pool, ckpt_kwargs):
         assert after["error"] is None
         assert after["tiled_calls"] > 0 and after["offloaded"] > 0
         assert _max_difference(after, reference) <= 1e-5  # shards change the float32 summation order
+    assert not any("steps aside" in ln for ln in fixed[0]["log"]), fixed[0]["log"]
+
+
+@pytest.mark.parametrize("stage,ckpt_kwargs", [(2, REENTRANT), (2, NON_REENTRANT), (1, NON_REENTRANT)],
+                         ids=["zero2-reentrant", "zero2-non-reentrant", "zero1-non-reentrant"])
+def test_tiled_attention_and_chunked_loss_act_under_zero12_with_parity(pool, stage, ckpt_kwargs):
+    """The tiled attention (shards of 4 tokens) and the chunked LM loss on, accumulation 2: the final weights of
+    every step equal the unpatched, untiled, unchunked run's (fp32; shards change the summation order)."""
+    plain = pool.run(lora_llama, stage=stage, ckpt_kwargs=NON_REENTRANT, patched=False)
+    fixed = pool.run(lora_llama, stage=stage, ckpt_kwargs=ckpt_kwargs, attention=True, chunked=True)
+    for reference, after in zip(plain, fixed):
+        assert after["error"] is None
+        assert after["attention_calls"] > 0 and after["chunked_calls"] > 0, after
+        assert _max_difference(after, reference) <= 1e-5
     assert not any("steps aside" in ln for ln in fixed[0]["log"]), fixed[0]["log"]
 
 

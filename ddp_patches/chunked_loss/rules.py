@@ -14,9 +14,8 @@ import torch
 from .. import engines
 from ..distributed import log_rank0_once
 
-# Where it acts: under DDP only, as the tiled MLP (in one process the library changes nothing); other engines step
-# aside with one WARNING, a single process silently.
-ACTS_UNDER = (engines.DDP,)
+# Where it acts: under DDP, FSDP2 and DeepSpeed ZeRO-1/2, as the tiled MLP (``engines.ACTS_UNDER``; in one process the
+# library changes nothing); other engines step aside with one WARNING, a single process silently.
 
 # Config attributes of models whose forward changes the logits between lm_head and the loss (Gemma-2's softcap,
 # Cohere's and Granite's scales, ...), as TRL's own fused head reads them.
@@ -121,9 +120,10 @@ def _note_loss_outside() -> None:
 
 
 def _why_not(model: torch.nn.Module) -> tuple[str, int, str] | None:
-    """(key, level, why) of a step-aside, else None. An engine outside ACTS_UNDER says so itself (why: "")."""
+    """(key, level, why) of a step-aside, else None. An engine outside ``engines.ACTS_UNDER`` says so itself
+    (why: "")."""
     engine = engines.of_module(model)
-    if engine not in ACTS_UNDER:
+    if not engines.acts("chunked_loss", engine):
         if engine != engines.NONE:  # one process: nothing changes, nothing said
             engines.step_aside("chunked_loss", engine)
         return ("engine", logging.WARNING, "")

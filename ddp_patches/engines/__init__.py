@@ -53,7 +53,8 @@ ACTS_UNDER: dict[str, tuple[str, ...]] = {
     "reducer": (DDP,),
     "offload": (DDP, FSDP2, ZERO12),
     "tiled_mlp": (DDP, FSDP2, ZERO12),
-    "tiled_attention": (DDP,),  # proven under DDP only (tests/test_tiled_attention.py)
+    "tiled_attention": (DDP, FSDP2, ZERO12),
+    "chunked_loss": (DDP, FSDP2, ZERO12),
 }
 
 _WHY: dict[tuple[str, str], str] = {
