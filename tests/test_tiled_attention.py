@@ -234,6 +234,34 @@ def test_ddp_parity_with_checkpointing(pool, dtype, tol, ddp_kwargs):
         assert r["counts"]["tiled_calls"] > 0
 
 
+def ddp_family_case(family: str, qlora: bool = False, vlm: bool = False) -> dict:
+    """2 ranks, accumulation 2, non-reentrant checkpointing, against the untiled single process on the global batch:
+    ``family`` "qwen2" has q/k/v biases; the tiny "llama" is GQA (4 heads, 2 key/value heads); ``qlora``: its
+    frozen linear layers in bitsandbytes NF4 (the CPU kernels), LoRA and compute in float32; ``vlm``: Qwen2-VL, the
+    language model's attention tiled beside a vision tower (one rank's batches text only)."""
+    from ddp_patches.verify.hf_models import lm_parity
+    from ddp_patches.verify.vlm_models import vlm_parity
+
+    with ddp_patches.patched(tiled_attention=True, tiled_attention_shard_tokens=4):
+        if vlm:
+            result = vlm_parity(family, {"use_reentrant": False}, accum=2, text_only_rank=1,
+                                reference_context=tiled_mlp.untiled).as_dict()
+        else:
+            result = lm_parity(family, {"use_reentrant": False}, qlora=qlora, accum=2,
+                               reference_context=tiled_mlp.untiled).as_dict()
+        result["counts"] = tiled_attention.counts()
+    return result
+
+
+@pytest.mark.parametrize("family,qlora,vlm,tol", [("qwen2", False, False, 1e-9), ("llama", True, False, 1e-5),
+                                                  ("qwen2_vl", False, True, 1e-9)],
+                         ids=["qwen2-biases", "llama-gqa-qlora", "qwen2-vl-language-model"])
+def test_ddp_parity_across_families(pool, family, qlora, vlm, tol):
+    for r in pool.run(ddp_family_case, family=family, qlora=qlora, vlm=vlm):
+        assert r["max_rel_error"] <= tol and r["ranks_in_sync"], r
+        assert r["counts"]["tiled_calls"] > 0, r
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="QLoRA: bitsandbytes 4-bit layers need CUDA")
 def test_qlora_parity_on_cuda():  # pragma: no cover - CUDA only
     from ddp_patches.verify.hf_models import build_lora_model
