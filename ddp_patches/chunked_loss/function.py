@@ -72,10 +72,11 @@ def chunk_sizes(rows: int, hidden: int, vocab: int, max_rows: int | None = None)
 # unchunked loss scales them before the head's matmuls: float16 does not overflow) w.r.t. the hidden chunk and
 # the head's trainable parameters (LoRA on lm_head, a trained head) with ``torch.autograd.grad`` (no
 # AccumulateGrad, no hook), keeps grad_hidden ([tokens, H]) and one gradient per parameter summed in float32 (as
-# the unchunked matmul accumulates over all tokens), and drops the chunk's logits. Every trainable head parameter is an input of the Function, so its backward only
-# scales the kept gradients by the incoming one and returns them once: no recompute in backward, one hook each
-# (find_unused True/False, static_graph, no_sync and bucket views hold, as for the tiled MLP:
-# NOTE [Why the parameters are inputs of the Function]). A second-order backward through it raises.
+# the unchunked matmul accumulates over all tokens), and drops the chunk's logits. Every trainable head parameter
+# is an input of the Function, so its backward only scales the kept gradients by the incoming one and returns
+# them once: no recompute in backward, one hook each (find_unused True/False, static_graph, no_sync and bucket
+# views hold, as for the tiled MLP: NOTE [Why the parameters are inputs of the Function]). A second-order
+# backward through it raises.
 # Test: tests/test_chunked_loss.py::test_lora_on_lm_head_gradients_and_one_hook_each.
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.2
 class ChunkedCrossEntropy(torch.autograd.Function):
