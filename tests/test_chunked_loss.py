@@ -563,8 +563,50 @@ def fsdp2_float16_case() -> dict:
 
 def test_fsdp2_float16_compute_head_gradient_as_unchunked(pool):
     """Found by review: FSDP2 computing in float16, 4096 tokens a rank: without the library lm_head's gradient is
-    finite; the chunked loss took each chunk's gradient of the loss sum in float16 (up to tokens x |h|) and got inf.
-    It now takes the gradient of the sum over the divisor, as the unchunked loss does."""
+    finite; the chunked loss added the chunks' gradients of the loss sum in float16 (up to tokens x |h|) and got
+    inf. They are now added in float32 and scaled by the incoming gradient before the cast back."""
     for r in pool.run(fsdp2_float16_case):
         assert r["calls"] == 1 and r["plain_finite"], r
         assert r["chunked_finite"] and r["rel"] < 1e-2, r
+
+
+def _grads_scaled(model, batch: dict, scale: float) -> dict:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    (model(**batch).loss * scale).backward()
+    return {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("lm_head", [True, False], ids=["lora-on-lm_head", "frozen-lm_head"])
+def test_float16_loss_scaled_by_65536_keeps_gradients_finite(lm_head):
+    """Found by review (of a version that divided inside the chunks): a float16 model whose loss is scaled by 2**16
+    (GradScaler's and DeepSpeed fp16's initial scale): unchunked every gradient is finite, and so it is chunked."""
+    batch = _batch(1)
+    ref = _grads_scaled(_lora_lm(lm_head).half(), batch, 65536.0)
+    with _as_under_ddp():
+        got = _grads_scaled(_lora_lm(lm_head).half(), batch, 65536.0)
+        assert chunked_loss.counts()["chunked_calls"] == 1
+    assert all(torch.isfinite(g).all() for g in ref.values())
+    assert not sorted(n for n, g in got.items() if not torch.isfinite(g).all())
+
+
+def test_float16_autocast_with_a_grad_scaler_scale_as_unchunked():
+    """The HF Trainer's fp16=True path: a float32 LoRA model under float16 autocast, the loss scaled by 65536,
+    2048 tokens: the LoRA gradients are as close to float64 chunked as unchunked (a version that took each chunk's
+    gradients of the mean, the scale applied afterwards, was 3.1 times further: subnormal float16 logits' grads)."""
+    ids = torch.randint(1, VOCAB, (4, 512), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    model, exact_model = _lora_lm(False).float(), _lora_lm(False)
+    exact = _grads_scaled(exact_model, batch, 1.0)
+
+    def error() -> float:
+        with torch.autocast("cpu", dtype=torch.float16):
+            grads = _grads_scaled(model, batch, 65536.0)
+        return max(float((grads[n] / 65536.0 - exact[n]).norm() / exact[n].norm()) for n in exact
+                   if exact[n].norm() > 0)
+
+    unchunked = error()
+    with _as_under_ddp():
+        chunked = error()
+        assert chunked_loss.counts()["chunked_calls"] == 1
+    assert chunked <= 1.25 * unchunked, {"unchunked": unchunked, "chunked": chunked}

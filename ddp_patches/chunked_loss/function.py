@@ -68,31 +68,27 @@ def chunk_sizes(rows: int, hidden: int, vocab: int, max_rows: int | None = None)
 # NOTE [One gradient per parameter, computed in forward]
 # Invariant: the chunked loss gives the gradients of transformers' ForCausalLMLoss, and fires each trainable
 # parameter's AccumulateGrad (and DDP hook) once per backward, whatever the chunk count.
-# Rule: the forward takes, chunk by chunk, the loss sum and the gradients of that sum over the divisor (as the
-# unchunked loss scales them before the head's matmuls: float16 does not overflow) w.r.t. the hidden chunk and
-# the head's trainable parameters (LoRA on lm_head, a trained head) with ``torch.autograd.grad`` (no
-# AccumulateGrad, no hook), keeps grad_hidden ([tokens, H]) and one gradient per parameter summed in float32 (as
-# the unchunked matmul accumulates over all tokens), and drops the chunk's logits. Every trainable head parameter
-# is an input of the Function, so its backward only scales the kept gradients by the incoming one and returns
-# them once: no recompute in backward, one hook each (find_unused True/False, static_graph, no_sync and bucket
-# views hold, as for the tiled MLP: NOTE [Why the parameters are inputs of the Function]). A second-order
-# backward through it raises.
+# Rule: the forward takes, chunk by chunk, the loss sum and its gradients w.r.t. the hidden chunk and the head's
+# trainable parameters (LoRA on lm_head, a trained head) with ``torch.autograd.grad`` (no AccumulateGrad, no
+# hook), keeps grad_hidden ([tokens, H]) and one gradient per parameter summed in float32 (as the unchunked
+# matmul accumulates over all tokens; a float16 sum overflows), and drops the chunk's logits. Every trainable head
+# parameter is an input of the Function, so its backward only scales the kept gradients by the incoming one (in
+# float32 for the parameters) and returns them once: no recompute in backward, one hook each (find_unused
+# True/False, static_graph, no_sync and bucket views hold, as for the tiled MLP:
+# NOTE [Why the parameters are inputs of the Function]). A second-order backward through it raises. The sum, not
+# the mean, keeps a loss scale (GradScaler, DeepSpeed fp16) where the unchunked loss has it: in float16 logits.
 # Test: tests/test_chunked_loss.py::test_lora_on_lm_head_gradients_and_one_hook_each.
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12.2
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """``sum(cross_entropy(head(h2d[c]).float(), target[c], ignore_index, reduction="sum") for c in chunks)``
-    divided by ``divisor`` (a float32 tensor: the token count or ``num_items_in_batch``). ``params``: exactly the
-    trainable parameters ``head`` uses."""
+    """``sum(cross_entropy(head(h2d[c]).float(), target[c], ignore_index, reduction="sum") for c in chunks)``.
+    ``params``: exactly the trainable parameters ``head`` uses."""
 
     @staticmethod
     def forward(ctx, head: Callable, rows: list[int], target: torch.Tensor, ignore_index: int,
-                divisor: torch.Tensor, h2d: torch.Tensor, *params: torch.Tensor):
-        want_h = ctx.needs_input_grad[5]
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+                h2d: torch.Tensor, *params: torch.Tensor):
+        want_h = ctx.needs_input_grad[4]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
         total = torch.zeros((), dtype=torch.float32, device=h2d.device)
-        # The gradients are taken of each chunk's sum over the divisor; where it is 0 (no token, or a zero
-        # num_items_in_batch), over 1, and the backward multiplies by 1/0 as the unchunked division would.
-        safe = torch.where(divisor == 0, torch.ones_like(divisor), divisor)
         grad_h = torch.empty_like(h2d) if want_h else None
         grads: list[torch.Tensor | None] = [None] * len(params)
         start = 0
@@ -101,7 +97,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             with torch.enable_grad():
                 loss = F.cross_entropy(head(chunk).float(), t, ignore_index=ignore_index, reduction="sum")
                 inputs = ([chunk] if want_h else []) + [params[i] for i in wanted]
-                got = torch.autograd.grad(loss / safe, inputs, allow_unused=True) if inputs and loss.requires_grad \
+                got = torch.autograd.grad(loss, inputs, allow_unused=True) if inputs and loss.requires_grad \
                     else [None] * len(inputs)
             total += loss.detach()
             if want_h:
@@ -113,8 +109,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             start += size
         ctx.grad_h, ctx.grads, ctx.params, ctx.wanted = grad_h, grads, params, wanted
         ctx.no_tokens = (target == ignore_index).all()  # on the device: no host sync
-        ctx.rescale = safe / divisor  # 1, or inf where the divisor is 0
-        return total / divisor
+        return total
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -125,14 +120,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # Out of place: a backward under retain_graph=True may come again and must find the kept gradients intact.
         # No token to learn from (every label ignore_index): the loss is 0/0 and its incoming gradient infinite, yet
         # cross_entropy gives ignored rows a zero gradient whatever comes in; so do these (zeros, not 0 * inf).
-        grad_out = torch.where(ctx.no_tokens, torch.zeros_like(grad_out), grad_out * ctx.rescale)
+        grad_out = torch.where(ctx.no_tokens, torch.zeros_like(grad_out), grad_out)
         grad_h = None if ctx.grad_h is None else ctx.grad_h * grad_out.to(ctx.grad_h.dtype)
         grads = [None if g is None else (g * grad_out).to(p.dtype) for g, p in zip(ctx.grads, ctx.params)]
         # A parameter no chunk used: None, or the zero a static-graph DDP needs (as in tiled_mlp/function.py).
         for i in ctx.wanted:
             if grads[i] is None and needs_defined_zero(ctx.params[i]):
                 grads[i] = torch.zeros_like(ctx.params[i])
-        return (None, None, None, None, None, grad_h, *grads)
+        return (None, None, None, None, grad_h, *grads)
 
 
 def chunked_causal_lm_loss(head: Callable, hidden: torch.Tensor, labels: torch.Tensor | None, params: tuple,
@@ -151,11 +146,12 @@ def chunked_causal_lm_loss(head: Callable, hidden: torch.Tensor, labels: torch.T
     rows = chunk_sizes(h2d.shape[0], h2d.shape[-1], vocab, _settings["chunk_rows"])
     _counts["chunked_calls"] += 1
     _counts["chunks"] += len(rows)
-    if num_items_in_batch is None:  # cross_entropy's "mean" with ignore_index (0/0: nan, as it)
-        divisor = (target != ignore_index).sum()
-    else:
-        divisor = torch.as_tensor(num_items_in_batch, device=h2d.device)
-    return ChunkedCrossEntropy.apply(head, rows, target, ignore_index, divisor.float(), h2d, *params)
+    total = ChunkedCrossEntropy.apply(head, rows, target, ignore_index, h2d, *params)
+    if num_items_in_batch is None:
+        return total / (target != ignore_index).sum()  # cross_entropy's "mean" with ignore_index (0/0: nan, as it)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
 def _vocab_size(head: Callable, h2d: torch.Tensor) -> int:
