@@ -25,11 +25,12 @@ def _batch(seed: int, rows: int = 2, seq: int = 12) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _grads(model, batch: dict, **kwargs) -> tuple[torch.Tensor, dict]:
+def _grads(model, batch: dict, *, scale: float = 1.0, **kwargs) -> tuple[torch.Tensor, dict]:
+    """The output, and each parameter's gradient of its loss times ``scale`` (a loss scaler's)."""
     model.train()
     model.zero_grad(set_to_none=True)
     out = model(**batch, **kwargs)
-    out.loss.backward()
+    (out.loss * scale).backward()
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -551,7 +552,8 @@ def _fsdp2_fp16_head_grad(patched: bool, tokens: int = 4096) -> dict:
         fully_shard(model.train(), mp_policy=policy)
         ids = torch.full((2, tokens // 2), 5 + rank)
         model(input_ids=ids, labels=ids).loss.backward()
-        return {"grad": full_tensor(model.lm_head.weight.grad).double(), "calls": chunked_loss.counts()["chunked_calls"]}
+        grad = full_tensor(model.lm_head.weight.grad).double()
+        return {"grad": grad, "calls": chunked_loss.counts()["chunked_calls"]}
 
 
 def fsdp2_float16_case() -> dict:
@@ -571,10 +573,8 @@ def test_fsdp2_float16_compute_head_gradient_as_unchunked(pool):
 
 
 def _grads_scaled(model, batch: dict, scale: float) -> dict:
-    model.train()
-    model.zero_grad(set_to_none=True)
-    (model(**batch).loss * scale).backward()
-    return {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
+    """``_grads`` of the loss times ``scale``, in float64."""
+    return {n: g.double() for n, g in _grads(model, batch, scale=scale)[1].items()}
 
 
 @pytest.mark.parametrize("lm_head", [True, False], ids=["lora-on-lm_head", "frozen-lm_head"])

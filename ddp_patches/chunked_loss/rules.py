@@ -14,8 +14,8 @@ import torch
 from .. import engines
 from ..distributed import log_rank0_once
 
-# Where it acts: under DDP, FSDP2 and DeepSpeed ZeRO-1/2, as the tiled MLP (``engines.ACTS_UNDER``; in one process the
-# library changes nothing); other engines step aside with one WARNING, a single process silently.
+# Where it acts: under DDP, FSDP2 and DeepSpeed ZeRO-1/2, as the tiled MLP (``engines.ACTS_UNDER``; in one process
+# the library changes nothing); other engines step aside with one WARNING, a single process silently.
 
 # Config attributes of models whose forward changes the logits between lm_head and the loss (Gemma-2's softcap,
 # Cohere's and Granite's scales, ...), as TRL's own fused head reads them.
