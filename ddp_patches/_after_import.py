@@ -1,4 +1,5 @@
-"""Run a callback right after a named module's body has executed, without importing it first."""
+"""Run a callback right after a named module's body has executed, without importing it first; find the classes
+imported so far (``imported_subclasses``) for the patches that also act on later imports."""
 
 from __future__ import annotations
 
@@ -77,3 +78,17 @@ def when_imported(name: str, callback: Callable[[], None]) -> AfterImport | None
     finder = AfterImport(name, callback)
     sys.meta_path.insert(0, finder)
     return finder
+
+
+def imported_subclasses(root: type, keep: Callable[[type], bool]) -> list[type]:
+    """Every subclass of ``root`` imported so far, at any depth, for which ``keep`` is true: what a patch that
+    also hooks later imports must patch at once."""
+    seen, stack, found = set(), [root], []
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+                if keep(sub):
+                    found.append(sub)
+    return found

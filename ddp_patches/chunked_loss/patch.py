@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from .. import engines
+from .._after_import import imported_subclasses
 from .._registry import REGISTRY
 from ..distributed import log_rank0_once
 from .deferred import _Call, _Touched
@@ -163,20 +164,6 @@ def _discover_at_init(original_init: Callable) -> Callable:
 _seen: set[type] = set()
 
 
-def _imported_candidates() -> list[type]:
-    from transformers import PreTrainedModel
-
-    seen, stack, found = set(), [PreTrainedModel], []
-    while stack:
-        for sub in stack.pop().__subclasses__():
-            if sub not in seen:
-                seen.add(sub)
-                stack.append(sub)
-                if _is_candidate_class(sub):
-                    found.append(sub)
-    return found
-
-
 def forget() -> None:
     _verdicts.clear()
     _seen.clear()
@@ -197,7 +184,8 @@ def install() -> list[str]:
             "transformers>=4.46), or leave chunked_loss off") from exc
     forget()
     REGISTRY.install(PreTrainedModel, "__init__", _discover_at_init)
-    patched = [f"{c.__module__}.{c.__qualname__}" for c in _imported_candidates() if _patch_class(c)]
+    found = imported_subclasses(PreTrainedModel, _is_candidate_class)
+    patched = [f"{c.__module__}.{c.__qualname__}" for c in found if _patch_class(c)]
     logger.debug("ddp_patches: chunked loss patched %d causal-LM classes already imported", len(patched))
     return ["transformers.PreTrainedModel.__init__ (chunked-loss discovery)"] + \
         [f"{name}.forward" for name in sorted(patched)]

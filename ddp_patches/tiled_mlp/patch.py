@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from .. import engines
+from .._after_import import imported_subclasses
 from .._registry import REGISTRY
 from ..distributed import is_distributed, log_rank0_once
 from .function import apply_tiled
@@ -102,18 +103,6 @@ def discover(model: torch.nn.Module) -> list[str]:
     return found
 
 
-def _imported_candidates() -> list[type]:
-    seen, stack, found = set(), [torch.nn.Module], []
-    while stack:
-        for sub in stack.pop().__subclasses__():
-            if sub not in seen:
-                seen.add(sub)
-                stack.append(sub)
-                if _is_candidate_class(sub):
-                    found.append(sub)
-    return found
-
-
 def _discover_after_post_init(original_post_init: Callable) -> Callable:
     def post_init(self, *args, **kwargs):
         result = original_post_init(self, *args, **kwargs)
@@ -154,7 +143,8 @@ def install(*, shard_tokens: int | None) -> list[str]:
     _measured_intermediate.clear()
     _outside.clear()
     installed = install_discovery()
-    patched = [f"{c.__module__}.{c.__qualname__}" for c in _imported_candidates() if _patch_class(c)]
+    found = imported_subclasses(torch.nn.Module, _is_candidate_class)
+    patched = [f"{c.__module__}.{c.__qualname__}" for c in found if _patch_class(c)]
     logger.debug("ddp_patches: tiled MLP patched %d gate/up/down classes already imported", len(patched))
     return installed + [f"{name}.forward" for name in sorted(patched)]
 
