@@ -127,7 +127,9 @@ def _backward(ctx, x2d: torch.Tensor, grad_out: torch.Tensor) -> list:
 # Rule: a half-precision parameter's shard gradients are added up in float32 and rounded to its dtype once, at
 # the end, as untiled rounds its one matmul's float32 sum once. Added in bfloat16, each shard's sum rounds again:
 # at 128 shards, LoRA gradients under FSDP2's bfloat16 compute were twice as far from float32 as untiled. One
-# shard, or float32 parameters, take no copy; the float32 sum lives for one tiled call's backward.
+# shard, or float32 parameters, take no copy; the float32 sum lives for one tiled call's backward (a double
+# backward's too, out of place): for a trained half-precision weight, a float32 copy of its gradient meanwhile
+# (Llama-8B's MLP in full fine-tuning: 0.7 GB).
 # Test: tests/test_tiled_attention.py::test_fsdp2_bf16_shard_gradients_keep_untiled_precision
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 def _widened(total: torch.Tensor, dtypes: dict, i: int) -> torch.Tensor:
@@ -180,7 +182,7 @@ def _shard_grads(ctx, shard: torch.Tensor, g_shard: torch.Tensor, rng: tuple, wa
 # Design: DDP_GRADIENT_CHECKPOINTING_FIX.md §12
 def _differentiable_grads(ctx, x2d: torch.Tensor, grad_out: torch.Tensor, want_x: bool, wanted: list[int]) -> list:
     """[dx, *param grads] of a backward under ``create_graph=True``, each recorded by autograd."""
-    dx_parts, grads = [], [None] * len(ctx.params)
+    dx_parts, grads, dtypes = [], [None] * len(ctx.params), {}
     for shard, g_shard, rng in zip(x2d.split(ctx.rows), grad_out.split(ctx.rows), ctx.rng_states):
         got = _shard_grads(ctx, shard if want_x else shard.detach(), g_shard, rng, want_x, wanted, create_graph=True)
         if want_x:
@@ -188,7 +190,9 @@ def _differentiable_grads(ctx, x2d: torch.Tensor, grad_out: torch.Tensor, want_x
             got = got[1:]
         for i, g in zip(wanted, got):
             if g is not None:
-                grads[i] = g if grads[i] is None else grads[i] + g
+                grads[i] = g if grads[i] is None else _widened(grads[i], dtypes, i) + g
+    for i, dtype in dtypes.items():
+        grads[i] = grads[i].to(dtype)
     return [torch.cat(dx_parts) if want_x else None, *_unused_as_untiled(ctx, grads, wanted)]
 
 
