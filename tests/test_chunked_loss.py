@@ -533,10 +533,10 @@ def _fsdp2_fp16_head_grad(patched: bool, tokens: int = 4096) -> dict:
     reduce_dtype=float32)``; each rank's batch is ``tokens`` copies of one token (another per rank) and the final
     norm's weight is 8, so that lm_head's gradient of the loss SUM passes float16's 65504 while that of the mean
     does not. Returns lm_head.weight's full gradient."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoModelForCausalLM
 
-    from ddp_patches.verify.fsdp2 import decoder_layers
+    from ddp_patches.verify.fsdp2 import shard
     from ddp_patches.verify.hf_models import tiny_config
     from ddp_patches.verify.parity import full_tensor
 
@@ -546,10 +546,7 @@ def _fsdp2_fp16_head_grad(patched: bool, tokens: int = 4096) -> dict:
         model = AutoModelForCausalLM.from_config(tiny_config("llama", 2), attn_implementation="eager").float()
         with torch.no_grad():
             model.model.norm.weight.fill_(8.0)
-        policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model.train(), mp_policy=policy)
+        shard(model.train(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
         ids = torch.full((2, tokens // 2), 5 + rank)
         model(input_ids=ids, labels=ids).loss.backward()
         grad = full_tensor(model.lm_head.weight.grad).double()

@@ -434,12 +434,11 @@ def test_nested_reentrant_checkpoints_under_ddp(pool):
 def fsdp2_tiled_attention(dtype=torch.float64, reshard_after_forward=True, accum=2):
     from ddp_patches import tiled_attention, tiled_mlp
     from ddp_patches.verify import fsdp2
-    from ddp_patches.verify.hf_models import build_lora_model, combine_lm, lm_batch, lm_loss
 
     with library_warnings() as lines, ddp_patches.patched(tiled_attention=True, tiled_attention_shard_tokens=4):
-        result = fsdp2.run_fsdp2_parity(lambda: build_lora_model("llama", {"use_reentrant": False}, dtype=dtype),
-                                        lm_batch, combine_lm, lm_loss, reshard_after_forward=reshard_after_forward,
-                                        accum=accum, reference_context=tiled_mlp.untiled).as_dict()
+        result = fsdp2.lm_fsdp2_parity("llama", {"use_reentrant": False}, dtype=dtype, accum=accum,
+                                       reshard_after_forward=reshard_after_forward,
+                                       reference_context=tiled_mlp.untiled).as_dict()
         result["counts"] = tiled_attention.counts()
     return {**result, "log": lines}
 

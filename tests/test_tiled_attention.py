@@ -266,19 +266,16 @@ def _fsdp2_bf16_lora_grads(options: dict | None, dtype=torch.bfloat16) -> dict:
     """LoRA on a tiny Llama (float32 storage, non-reentrant checkpointing) under FSDP2 computing in ``dtype``, one
     micro-batch of 2 x 512 tokens a rank; ``options``: apply()'s (None: without the library). Every LoRA gradient,
     gathered, and the tiled calls."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ddp_patches.verify.fsdp2 import decoder_layers
+    from ddp_patches.verify.fsdp2 import shard
     from ddp_patches.verify.hf_models import build_lora_model, lm_batch
     from ddp_patches.verify.parity import full_tensor
 
     with ddp_patches.patched(**options) if options else contextlib.nullcontext():
         torch.manual_seed(0)
         model = build_lora_model("llama", {"use_reentrant": False}, dtype=torch.float32).train()
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
         model(**lm_batch(torch.distributed.get_rank(), 0, 0, seq=512)).loss.backward()
         calls = tiled_attention.counts()["tiled_calls"] + tiled_mlp.counts()["tiled_calls"] if options else 0
         return {"grads": {n: full_tensor(p.grad).double() for n, p in model.named_parameters() if p.grad is not None},

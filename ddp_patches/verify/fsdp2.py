@@ -31,15 +31,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard(model: nn.Module, *, reshard_after_forward: bool = True, skip: tuple[str, ...] = (),
-          unused_params: bool = False) -> nn.Module:
+          unused_params: bool = False, mp_policy=None) -> nn.Module:
     """``fully_shard`` every decoder layer (except classes named in ``skip``: they join the root's group) and the
-    root; ``unused_params`` turns on FSDP2's ``set_reduce_scatter_unused_params``."""
+    root; ``unused_params`` turns on FSDP2's ``set_reduce_scatter_unused_params``; ``mp_policy``: a
+    ``MixedPrecisionPolicy`` for every group."""
     from torch.distributed.fsdp import fully_shard
 
+    kwargs = {"reshard_after_forward": reshard_after_forward, **({"mp_policy": mp_policy} if mp_policy else {})}
     for layer in decoder_layers(model):
         if type(layer).__name__ not in skip:
-            fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+            fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     if unused_params:
         model.set_reduce_scatter_unused_params(True)
     return model
@@ -57,12 +59,12 @@ def run_fsdp2_parity(build: Callable[[], nn.Module], make_batch, combine, loss_f
 
 
 def lm_fsdp2_parity(family: str = "qwen2", ckpt_kwargs: Any = None, *, qlora: bool = False, accum: int = 1,
-                    reshard_after_forward: bool = True, iters: int = 2,
+                    reshard_after_forward: bool = True, iters: int = 2, dtype=torch.float64,
                     reference_context=contextlib.nullcontext) -> ParityResult:
     from .hf_models import build_lora_model, combine_lm, lm_batch, lm_loss
 
     return run_fsdp2_parity(
-        lambda: build_lora_model(family, ckpt_kwargs, qlora=qlora),
+        lambda: build_lora_model(family, ckpt_kwargs, qlora=qlora, dtype=dtype),
         lm_batch, combine_lm, lm_loss,
         reshard_after_forward=reshard_after_forward, accum=accum, iters=iters,
         reference_context=reference_context,
