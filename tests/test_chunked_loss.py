@@ -173,6 +173,15 @@ def compute_loss(model, batch):  # a Trainer subclass's compute_loss that reads 
     return outputs.loss, outputs.logits.argmax(-1)
 
 
+class _AccuracyTrainer:  # a compute_loss that never names the logits: a helper of its class reads them
+    def compute_loss(self, model, inputs):
+        outputs = model(**inputs)
+        return outputs.loss, self.token_accuracy(outputs, inputs["labels"])
+
+    def token_accuracy(self, outputs, labels):
+        return (outputs.logits[:, :-1].argmax(-1) == labels[:, 1:]).float().mean()
+
+
 class _SmoothingTrainer:  # what Trainer.compute_loss does with label smoothing: the labels are taken out
     label_smoother = object()
 
@@ -193,10 +202,14 @@ def test_steps_aside_where_logits_are_read(caplog):
         assert model(**_batch(4)).logits is not None and chunked_loss.counts()["chunked_calls"] == 0
         for _ in range(2):
             assert _SmoothingTrainer().compute_loss(model, _batch(4)).shape == (2, 12, VOCAB)
+        model = build_causal_lm("llama").train()  # transformers' own loss_function again
+        loss, accuracy = _AccuracyTrainer().compute_loss(model, _batch(4))
+        assert accuracy.shape == () and chunked_loss.counts()["chunked_calls"] == 0
     lines = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
-    assert len(lines) == 3 and "compute_loss reads logits" in lines[0], lines
+    assert len(lines) == 4 and "compute_loss is not transformers' and may read the logits" in lines[0], lines
     assert "not transformers' ForCausalLMLoss" in lines[1], lines
     assert "_SmoothingTrainer computes the loss from the logits itself (label smoothing)" in lines[2], lines
+    assert "_AccuracyTrainer.compute_loss is not transformers'" in lines[3], lines
 
 
 @pytest.mark.parametrize("engine", ["FSDP1", "DeepSpeed"])
@@ -387,6 +400,57 @@ def test_sft_trainer_is_not_reached_and_trains_as_without(pool):
     assert len(lines) == 1 and "forward is replaced on the instance by trl/trainer/utils.py:_fused_forward" \
         in lines[0], lines
     assert chunked[1]["lines"] == []  # rank 0 only
+
+def accuracy_trainer_case(chunked: bool) -> dict:
+    """An HF Trainer subclass whose compute_loss takes transformers' loss and outputs and hands the outputs to a
+    helper method that reads ``outputs.logits`` (a token accuracy), one optimizer step on 2 ranks: the error each
+    rank met, if any, the accuracies it logged, and the chunked calls."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from ddp_patches.verify.hf_models import build_lora_model, lm_dataset
+
+    class AccuracyTrainer(Trainer):
+        accuracies: list = []
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                 num_items_in_batch=num_items_in_batch)
+            self.token_accuracy(outputs, inputs["labels"])
+            return (loss, outputs) if return_outputs else loss
+
+        def token_accuracy(self, outputs, labels):
+            predictions = outputs.logits[:, :-1].argmax(-1)
+            self.accuracies.append(float((predictions == labels[:, 1:])[labels[:, 1:] != -100].float().mean()))
+
+    with ddp_patches.patched(chunked_loss=chunked):
+        torch.manual_seed(0)
+        model = build_lora_model("llama", {"use_reentrant": False}, dtype=torch.float32)
+        with tempfile.TemporaryDirectory(prefix="ddp_patches_chunked_") as out:
+            args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=1, save_strategy="no",
+                                     report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+                                     seed=0, gradient_checkpointing=True,
+                                     gradient_checkpointing_kwargs={"use_reentrant": False})
+            trainer = AccuracyTrainer(model=model, args=args, train_dataset=lm_dataset())
+            try:
+                trainer.train()
+                error = None
+            except Exception as e:  # returned, not raised: a rank's error would poison the pool
+                error = f"{type(e).__name__}: {e}"
+        return {"error": error, "accuracies": list(AccuracyTrainer.accuracies), "counts": chunked_loss.counts()}
+
+
+def test_a_compute_loss_whose_helper_reads_logits_trains_as_without(pool):
+    """Without the library each rank trains and logs an accuracy; the chunked loss once acted here (the override
+    never names ``logits``), and every rank died with "'NoneType' object is not subscriptable". Now it steps aside:
+    the same accuracies. NOTE [When the chunked loss acts]"""
+    plain = pool.run(accuracy_trainer_case, chunked=False)
+    for p, c in zip(plain, pool.run(accuracy_trainer_case, chunked=True)):
+        assert p["error"] is None and len(p["accuracies"]) == 1, p
+        assert c["error"] is None and c["accuracies"] == p["accuracies"], c
+        assert c["counts"]["chunked_calls"] == 0, c
+
 
 def dpo_case(chunked: bool) -> dict:
     """TRL's DPOTrainer (LoRA, accumulation 2) on 2 ranks: the gradients of every optimizer step."""

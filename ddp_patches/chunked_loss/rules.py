@@ -1,7 +1,7 @@
 """When the chunked loss acts, and the one line said where it steps aside (NOTE [When the chunked loss acts]).
 
 ``_why_not(model)`` gives the reason a call steps aside: another engine, a logit transform in the config, another
-loss function, hooks or dropout on lm_head, a ``compute_loss`` on the stack that reads the logits.
+loss function, hooks or dropout on lm_head, a ``compute_loss`` on the stack other than transformers'.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 # NOTE [When the chunked loss acts]
-# Invariant: the chunked loss replaces only a computation whose result is the loss alone; wherever something reads
-# the logits, they are computed as without the library. Rule: a call of a causal LM found by structure acts when
-# apply(chunked_loss=True), it runs under DDP (in one process nothing changes), in training mode with grad enabled
-# and ``labels`` passed, its ``loss_function`` is transformers' ForCausalLMLoss, its config declares no logit
-# transform, its lm_head has no hooks, no instance forward and no active dropout, and no ``compute_loss`` on the
-# stack other than transformers' reads ``logits``. Then ``logits`` is None, said once at INFO; every step-aside is
+# Invariant: the chunked loss replaces only a computation whose result is the loss alone. Rule: a call of a causal
+# LM found by structure acts when apply(chunked_loss=True), under DDP (in one process nothing changes), in training
+# with grad enabled and ``labels`` passed, its ``loss_function`` transformers' ForCausalLMLoss, no logit transform
+# in its config, no hooks, instance forward or active dropout on lm_head, and no ``compute_loss`` but transformers'
+# on the stack (an override may hand the outputs to code that reads ``logits``: no look at it can rule that out).
+# Then ``logits`` is None (said once at INFO: a hand-written loop that reads them gets None); each step-aside is
 # one line on rank 0, once per reason. Where labels are not passed (Trainer's label smoothing, ``compute_loss_func``)
 # it is not reached: one INFO line; nor where TRL (SFT, DPO: its fused LM head) or Liger replaced the model's
 # forward and chunk themselves: one INFO line when DDP wraps such a model (``note_fused``).
@@ -86,16 +86,18 @@ def _head_problem(head: torch.nn.Module) -> str | None:
 
 
 def _stack_reads_logits() -> str | None:
-    """A ``compute_loss`` on the stack, other than transformers.Trainer's, whose code reads ``logits``."""
+    """A ``compute_loss`` on the stack other than transformers.Trainer's: it may read the logits, in its own code or
+    in whatever it hands the outputs to (a helper, a callback), which no look at its code can rule out."""
     frame = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return None
         code = frame.f_code
-        if code.co_name == "compute_loss" and ("logits" in code.co_names or "logits" in code.co_consts) \
-                and not frame.f_globals.get("__name__", "").startswith("transformers."):
+        if code.co_name == "compute_loss" and not frame.f_globals.get("__name__", "").startswith("transformers."):
             owner = frame.f_locals.get("self")
-            return f"{type(owner).__qualname__ if owner is not None else code.co_qualname}.compute_loss reads logits"
+            name = f"{type(owner).__qualname__}.compute_loss" if owner is not None else code.co_qualname
+            return f"{name} is not transformers' and may read the logits (itself, or whatever it hands the " \
+                   "outputs to)"
         frame = frame.f_back
     return None
 
