@@ -401,28 +401,46 @@ def test_sft_trainer_is_not_reached_and_trains_as_without(pool):
         in lines[0], lines
     assert chunked[1]["lines"] == []  # rank 0 only
 
-def accuracy_trainer_case(chunked: bool) -> dict:
-    """An HF Trainer subclass whose compute_loss takes transformers' loss and outputs and hands the outputs to a
-    helper method that reads ``outputs.logits`` (a token accuracy), one optimizer step on 2 ranks: the error each
-    rank met, if any, the accuracies it logged, and the chunked calls."""
+def accuracy_trainer_case(chunked: bool, via: str) -> dict:
+    """An HF Trainer subclass that logs a token accuracy from ``outputs.logits``: ``via`` "helper", its
+    compute_loss takes super()'s outputs (``return_outputs=True``) and hands them to a helper method; "training_step",
+    its training_step calls the model itself; "loss_only", its compute_loss takes super()'s loss alone and the
+    accuracy is not logged. One optimizer step on 2 ranks: each rank's error, if any, its accuracies and the loss."""
     import tempfile
 
     from transformers import Trainer, TrainingArguments
 
     from ddp_patches.verify.hf_models import build_lora_model, lm_dataset
 
+    def accuracy(outputs, labels):
+        predictions, labels = outputs.logits[:, :-1].argmax(-1), labels[:, 1:]
+        return float((predictions == labels)[labels != -100].float().mean())
+
     class AccuracyTrainer(Trainer):
         accuracies: list = []
+        losses: list = []
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
-                                                 num_items_in_batch=num_items_in_batch)
-            self.token_accuracy(outputs, inputs["labels"])
-            return (loss, outputs) if return_outputs else loss
+            if via == "helper":
+                loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                     num_items_in_batch=num_items_in_batch)
+                self.token_accuracy(outputs, inputs["labels"])
+                return (loss, outputs) if return_outputs else loss
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
         def token_accuracy(self, outputs, labels):
-            predictions = outputs.logits[:, :-1].argmax(-1)
-            self.accuracies.append(float((predictions == labels[:, 1:])[labels[:, 1:] != -100].float().mean()))
+            self.accuracies.append(accuracy(outputs, labels))
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if via != "training_step":
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            else:
+                outputs = model(**inputs)
+                self.token_accuracy(outputs, inputs["labels"])
+                self.accelerator.backward(outputs.loss)
+                loss = outputs.loss.detach()
+            self.losses.append(float(loss))
+            return loss
 
     with ddp_patches.patched(chunked_loss=chunked):
         torch.manual_seed(0)
@@ -438,18 +456,25 @@ def accuracy_trainer_case(chunked: bool) -> dict:
                 error = None
             except Exception as e:  # returned, not raised: a rank's error would poison the pool
                 error = f"{type(e).__name__}: {e}"
-        return {"error": error, "accuracies": list(AccuracyTrainer.accuracies), "counts": chunked_loss.counts()}
+        return {"error": error, "accuracies": list(AccuracyTrainer.accuracies), "losses": list(AccuracyTrainer.losses),
+                "counts": chunked_loss.counts()}
 
 
-def test_a_compute_loss_whose_helper_reads_logits_trains_as_without(pool):
-    """Without the library each rank trains and logs an accuracy; the chunked loss once acted here (the override
-    never names ``logits``), and every rank died with "'NoneType' object is not subscriptable". Now it steps aside:
-    the same accuracies. NOTE [When the chunked loss acts]"""
-    plain = pool.run(accuracy_trainer_case, chunked=False)
-    for p, c in zip(plain, pool.run(accuracy_trainer_case, chunked=True)):
-        assert p["error"] is None and len(p["accuracies"]) == 1, p
-        assert c["error"] is None and c["accuracies"] == p["accuracies"], c
-        assert c["counts"]["chunked_calls"] == 0, c
+def test_a_trainer_whose_own_code_reads_logits_trains_as_without(pool):
+    """Without the library each rank trains and logs an accuracy. The chunked loss once acted where the reading is
+    in a helper method or a training_step override (the compute_loss never names ``logits``) and every rank died
+    with "'NoneType' object is not subscriptable"; it steps aside there now, with the same accuracies and loss. Where
+    the override takes super()'s loss alone, the outputs never leave transformers' compute_loss: it still acts.
+    NOTE [When the chunked loss acts]"""
+    plain = pool.run(accuracy_trainer_case, chunked=False, via="helper")
+    for via in ("helper", "training_step"):
+        for p, c in zip(plain, pool.run(accuracy_trainer_case, chunked=True, via=via)):
+            assert p["error"] is None and len(p["accuracies"]) == 1, p
+            assert c["error"] is None and c["accuracies"] == p["accuracies"], (via, c)
+            assert c["losses"] == p["losses"] and c["counts"]["chunked_calls"] == 0, (via, c)
+    for p, c in zip(plain, pool.run(accuracy_trainer_case, chunked=True, via="loss_only")):
+        assert c["error"] is None and c["counts"]["chunked_calls"] == 1, c
+        assert c["losses"] == pytest.approx(p["losses"], rel=1e-5), c
 
 
 def dpo_case(chunked: bool) -> dict:

@@ -1,7 +1,7 @@
 """When the chunked loss acts, and the one line said where it steps aside (NOTE [When the chunked loss acts]).
 
 ``_why_not(model)`` gives the reason a call steps aside: another engine, a logit transform in the config, another
-loss function, hooks or dropout on lm_head, a ``compute_loss`` on the stack other than transformers'.
+loss function, hooks or dropout on lm_head, outputs that reach a ``compute_loss`` or Trainer method not transformers'.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 # Invariant: the chunked loss replaces only a computation whose result is the loss alone. Rule: a call of a causal
 # LM found by structure acts when apply(chunked_loss=True), under DDP (in one process nothing changes), in training
 # with grad enabled and ``labels`` passed, its ``loss_function`` transformers' ForCausalLMLoss, no logit transform
-# in its config, no hooks, instance forward or active dropout on lm_head, and no ``compute_loss`` but transformers'
-# on the stack (an override may hand the outputs to code that reads ``logits``: no look at it can rule that out).
+# in its config, no hooks, instance forward or active dropout on lm_head, and the outputs reach no ``compute_loss``
+# but transformers' nor a Trainer subclass's own method (it may hand them to code that reads ``logits``: no look at
+# it can rule that out; transformers' compute_loss passes on only the loss unless asked for ``return_outputs``).
 # Then ``logits`` is None (said once at INFO: a hand-written loop that reads them gets None); each step-aside is
 # one line on rank 0, once per reason. Where labels are not passed (Trainer's label smoothing, ``compute_loss_func``)
 # it is not reached: one INFO line; nor where TRL (SFT, DPO: its fused LM head) or Liger replaced the model's
@@ -86,20 +87,34 @@ def _head_problem(head: torch.nn.Module) -> str | None:
 
 
 def _stack_reads_logits() -> str | None:
-    """A ``compute_loss`` on the stack other than transformers.Trainer's: it may read the logits, in its own code or
-    in whatever it hands the outputs to (a helper, a callback), which no look at its code can rule out."""
+    """Why the outputs may reach code that reads the logits, from the stack, or None: a ``compute_loss`` other than
+    transformers', or a method of a transformers ``Trainer`` subclass outside transformers (a ``training_step``
+    override calling the model), which may read them itself or in whatever it hands the outputs to. Above
+    transformers' own ``Trainer.compute_loss`` only the loss leaves, unless it was asked for ``return_outputs``."""
+    trainer = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
     frame = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return None
         code = frame.f_code
-        if code.co_name == "compute_loss" and not frame.f_globals.get("__name__", "").startswith("transformers."):
+        if frame.f_globals.get("__name__", "").startswith("transformers."):
+            if code.co_name == "compute_loss" and not frame.f_locals.get("return_outputs"):
+                return None  # the outputs stay in transformers' compute_loss, which reads the loss alone
+        else:
             owner = frame.f_locals.get("self")
-            name = f"{type(owner).__qualname__}.compute_loss" if owner is not None else code.co_qualname
-            return f"{name} is not transformers' and may read the logits (itself, or whatever it hands the " \
-                   "outputs to)"
+            if code.co_name == "compute_loss" or (trainer is not None and _is_a(owner, trainer)):
+                name = f"{type(owner).__qualname__}.{code.co_name}" if owner is not None else code.co_qualname
+                return f"{name} is not transformers' and may read the logits (itself, or whatever it hands the " \
+                       "outputs to)"
         frame = frame.f_back
     return None
+
+
+def _is_a(owner, cls: type) -> bool:
+    try:
+        return isinstance(owner, cls)
+    except Exception:  # an object whose __class__ raises (a proxy) is no Trainer
+        return False
 
 
 def _note_loss_outside() -> None:
