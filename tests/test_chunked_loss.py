@@ -212,6 +212,35 @@ def test_steps_aside_where_logits_are_read(caplog):
     assert "_AccuracyTrainer.compute_loss is not transformers'" in lines[3], lines
 
 
+def test_a_trainer_keeping_an_output_by_position_runs_unchunked(caplog, tmp_path):
+    """transformers' Trainer.compute_loss (before 5.0) keeps ``outputs[args.past_index]``: logits None would shift
+    that position, so a Trainer with past_index >= 0 computes the logits. NOTE [When the chunked loss acts]"""
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = build_causal_lm("llama").train()
+    environ = dict(os.environ)
+    try:
+        trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+        with caplog.at_level(logging.INFO, logger="ddp_patches"), _as_under_ddp():
+            trainer.args.past_index = 0
+            trainer.compute_loss(model, _batch(4))
+            assert chunked_loss.counts()["chunked_calls"] == 0
+            trainer.args.past_index = -1
+            trainer.compute_loss(model, _batch(4))
+            assert chunked_loss.counts()["chunked_calls"] == 1
+    finally:  # the Trainer's process-wide state, as single_process_trainer_grads leaves it
+        os.environ.clear()
+        os.environ.update(environ)
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+    lines = [r.getMessage() for r in caplog.records if "steps aside" in r.getMessage()]
+    assert len(lines) == 1 and "past_index keeps an output by position" in lines[0], lines
+
+
 @pytest.mark.parametrize("engine", ["FSDP1", "DeepSpeed"])
 def test_other_engines_step_aside_with_one_warning(caplog, engine):
     from ddp_patches import engines

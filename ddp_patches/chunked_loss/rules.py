@@ -99,6 +99,9 @@ def _stack_reads_logits() -> str | None:
         code = frame.f_code
         if frame.f_globals.get("__name__", "").startswith("transformers."):
             if code.co_name == "compute_loss" and not frame.f_locals.get("return_outputs"):
+                args = getattr(frame.f_locals.get("self"), "args", None)
+                if getattr(args, "past_index", -1) >= 0:  # it keeps outputs[past_index]: a None shifts the index
+                    return "TrainingArguments.past_index keeps an output by position, which logits None would shift"
                 return None  # the outputs stay in transformers' compute_loss, which reads the loss alone
         else:
             owner = frame.f_locals.get("self")
