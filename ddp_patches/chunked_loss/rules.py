@@ -86,7 +86,7 @@ def _head_problem(head: torch.nn.Module) -> str | None:
     return None
 
 
-def _stack_reads_logits() -> str | None:
+def _outputs_may_be_read() -> str | None:
     """Why the outputs may reach code that reads the logits, from the stack, or None: a ``compute_loss`` other than
     transformers', or a method of a transformers ``Trainer`` subclass outside transformers (a ``training_step``
     override calling the model), which may read them itself or in whatever it hands the outputs to. Above
@@ -151,7 +151,7 @@ def _why_not(model: torch.nn.Module) -> tuple[str, int, str] | None:
     for key, level, problem in (("config", logging.INFO, _config_problem(model)),
                                 ("loss", logging.INFO, _loss_problem(model)),
                                 ("head", logging.WARNING, _head_problem(head)),
-                                ("stack", logging.INFO, _stack_reads_logits())):
+                                ("stack", logging.INFO, _outputs_may_be_read())):
         if problem is not None:
             return (f"{key}-{problem}", level, problem)
     return None
