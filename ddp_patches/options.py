@@ -131,8 +131,8 @@ OPTIONS: tuple[Option, ...] = (
            least=1, automatic=True, noun="a number of tokens per shard"),
     Option("tiled_attention", "bool", False,
            "under DDP, FSDP2 and DeepSpeed ZeRO-1/2, each layer's input norm, q/k/v and o_proj (LoRA included) run "
-           "in token shards around the whole-sequence attention kernel, and the other norms (before the MLP, the model's last) per shard too; "
-           "each DDP hook still fires once",
+           "in token shards around the whole-sequence attention kernel, and the other norms (before the MLP, the "
+           "model's last) per shard too; each DDP hook still fires once",
            "long sequences: with LoRA their float32 copies dominate a layer's backward"),
     Option("tiled_attention_shard_tokens", "int", None,
            "`None`: 4 shards from 2 x hidden_size tokens; `N`: at most N tokens per shard",
